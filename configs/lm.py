@@ -1,0 +1,149 @@
+"""Language-model pre-training on the embedded Shakespeare corpus (or your own text).
+
+Run:
+  python -m icml_jax.main --config=configs/lm.py:small --workdir=runs/lm_small
+  python -m icml_jax.main --config=configs/lm.py:tiny --workdir=/tmp/t --config.train.steps=20
+
+Presets: ``tiny`` (tests, seconds), ``small`` (the demo, a few minutes on 2 CPU cores),
+``20m`` (~20M parameters, benchmarks), ``base`` (a starting point for accelerators).
+"""
+import ml_collections
+
+
+def base_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+    c.task = "lm"
+
+    c.model = ml_collections.ConfigDict()
+    c.model.vocab_size = 384  # >= tokenizer vocab; a multiple of 128 so it shards on `tensor`
+    c.model.d_model = 256
+    c.model.num_layers = 4
+    c.model.num_heads = 4
+    c.model.num_kv_heads = 2
+    c.model.head_dim = 64
+    c.model.ffn_dim = 704
+    c.model.max_seq_len = 1024
+    c.model.norm_eps = 1e-5
+    c.model.tie_embeddings = True
+    c.model.init_std = 0.02
+    c.model.position = "rope"  # registry: icml_jax.models.positions
+    c.model.rope_theta = 10000.0
+    c.model.mlp = ml_collections.ConfigDict()
+    c.model.mlp.activation = "swiglu"  # registry: icml_jax.models.mlp
+    c.model.residual = "standard"  # registry: icml_jax.models.residual
+    c.model.dtype = "float32"  # compute dtype: float32 | bfloat16
+    c.model.param_dtype = "float32"
+    c.model.remat = "none"  # none | full | dots (save matmul outputs)
+    c.model.scan_layers = False
+
+    c.data = ml_collections.ConfigDict()
+    c.data.name = "shakespeare"  # shakespeare | text_files | jsonl | tfds:<name>[:<version>]
+    c.data.path = ""  # folder of .txt files or a .jsonl file for text_files / jsonl
+    c.data.text_key = "text"  # JSONL field, or the TFDS feature holding the text
+    c.data.data_dir = ""  # TFDS data dir; "" = $TFDS_DATA_DIR or ~/tensorflow_datasets
+    c.data.seq_len = 256
+    c.data.tokenizer = ml_collections.ConfigDict()
+    c.data.tokenizer.type = "byte"  # byte | sentencepiece
+    c.data.tokenizer.model_path = ""  # a SentencePiece .model file
+
+    c.train = ml_collections.ConfigDict()
+    c.train.steps = 1000
+    c.train.batch_size = 16  # global, in packed rows
+    c.train.grad_accum = 1
+    c.train.lr = 3e-3
+    c.train.warmup_steps = 100
+    c.train.min_lr_ratio = 0.1
+    c.train.weight_decay = 0.1
+    c.train.b1 = 0.9
+    c.train.b2 = 0.95
+    c.train.eps = 1e-8
+    c.train.clip_norm = 1.0
+    c.train.log_every = 10
+    c.train.eval_every = 200
+    c.train.eval_batches = 8
+    c.train.checkpoint_every = 200
+    c.train.keep_checkpoints = 3
+    c.train.async_checkpoint = True
+    c.train.samples = 3  # generated samples printed at the end (0 = none)
+    c.train.sample_len = 120
+    c.train.sample_temperature = 0.8
+    c.train.sample_prompts = ("ROMEO.", "To be, or not to be", "KING HENRY.")
+    c.train.progress = True
+
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.data = -1  # -1 = infer from the device count
+    c.mesh.fsdp = 1
+    c.mesh.tensor = 1
+    # logical axis -> mesh axes. Params: embed/vocab/mlp/heads/kv_heads/head_dim/layers;
+    # activations: batch/length/act_embed/act_heads/act_kv_heads/act_mlp/act_vocab.
+    c.mesh.rules = (
+        ("batch", ("data", "fsdp")),
+        ("embed", "fsdp"),
+        ("vocab", "tensor"),
+        ("mlp", "tensor"),
+        ("heads", "tensor"),
+        ("kv_heads", "tensor"),
+        ("head_dim", None),
+        ("layers", None),
+        ("length", None),
+        ("act_embed", None),
+        ("act_heads", "tensor"),
+        ("act_kv_heads", "tensor"),
+        ("act_mlp", "tensor"),
+        ("act_vocab", "tensor"),
+    )
+    return c
+
+
+PRESETS = {
+    "tiny": dict(
+        model=dict(d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, ffn_dim=64,
+                   max_seq_len=128),
+        data=dict(seq_len=32),
+        train=dict(steps=20, batch_size=8, lr=1e-2, warmup_steps=2, log_every=5, eval_every=10,
+                   eval_batches=2, checkpoint_every=10, samples=1, sample_len=16, progress=False,
+                   async_checkpoint=False),
+    ),
+    "small": dict(
+        model=dict(d_model=256, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64, ffn_dim=704,
+                   max_seq_len=512),
+        data=dict(seq_len=256),
+        train=dict(steps=600, batch_size=16, lr=3e-3, warmup_steps=60, eval_every=200,
+                   checkpoint_every=200),
+    ),
+    "20m": dict(
+        model=dict(d_model=512, num_layers=6, num_heads=8, num_kv_heads=4, head_dim=64, ffn_dim=1408,
+                   max_seq_len=1024),
+        data=dict(seq_len=256),
+        train=dict(steps=2000, batch_size=16, lr=1e-3, warmup_steps=200),
+    ),
+    "base": dict(
+        model=dict(d_model=1024, num_layers=16, num_heads=16, num_kv_heads=8, head_dim=64,
+                   ffn_dim=2816, max_seq_len=2048, dtype="bfloat16", remat="dots"),
+        data=dict(seq_len=1024),
+        train=dict(steps=20000, batch_size=256, lr=6e-4, warmup_steps=1000),
+    ),
+}
+
+
+def get_config(preset: str = "small") -> ml_collections.ConfigDict:
+    """Returns the config of a named preset (see PRESETS)."""
+    preset = preset or "small"
+    if preset not in PRESETS:
+        raise ValueError(f"configs/lm.py: unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    c = base_config()
+    c.update_from_flattened_dict(_flatten(PRESETS[preset]))
+    c.preset = preset
+    c.lock()
+    return c
+
+
+def _flatten(d, prefix=""):
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out

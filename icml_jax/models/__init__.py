@@ -1,0 +1,7 @@
+"""Pure Flax linen model code.
+
+Axis letters used throughout (shapes in names, e.g. ``q_BTGRK``):
+  B batch, T query length, S key length, D model width, H query heads, G kv heads,
+  R query heads per kv head (H = G * R), K head dim, F ffn hidden, V vocab, L layers.
+"""
+from icml_jax.models.decoder import Decoder, build_model  # noqa: F401

@@ -1,0 +1,61 @@
+"""The decoder-only transformer: embeddings -> L blocks -> logits, parts chosen by registries.
+
+``Decoder(cfg)(tokens_BT, positions_BT=None, segment_ids_BT=None) -> logits_BTV`` (float32).
+Segment ids mark packed documents (0 = padding); a token attends only within its segment and
+only to earlier slots. Positions restart per document in packed rows.
+"""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from icml_jax.models.residual import RESIDUALS
+
+_REMAT_POLICIES = {
+    "full": None,  # save nothing, recompute the whole block
+    "dots": jax.checkpoint_policies.dots_saveable,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def _block_class(cfg):
+    block = RESIDUALS.get(cfg.residual).Block
+    if cfg.remat == "none":
+        return block
+    if cfg.remat not in _REMAT_POLICIES:
+        raise ValueError(f"unknown config.model.remat {cfg.remat!r}; choose one of "
+                         f"{['none'] + sorted(_REMAT_POLICIES)}")
+    return nn.remat(block, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
+
+
+class Decoder(nn.Module):
+    cfg: ml_collections.ConfigDict
+
+    @nn.compact
+    def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None):
+        c = self.cfg
+        B, T = tokens_BT.shape
+        if T > c.max_seq_len:
+            raise ValueError(f"sequence length {T} exceeds config.model.max_seq_len={c.max_seq_len}; "
+                             "shorten config.data.seq_len or raise max_seq_len")
+        if positions_BT is None:
+            positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        if segment_ids_BT is None:
+            segment_ids_BT = jnp.ones((B, T), jnp.int32)
+        io = RESIDUALS.get(c.residual).IO(c, name="io")
+        h = io(tokens_BT)
+        block = _block_class(c)
+        if c.scan_layers:
+            stack = nn.scan(block, variable_axes={"params": 0, "intermediates": 0},
+                            split_rngs={"params": True}, in_axes=(nn.broadcast, nn.broadcast),
+                            length=c.num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
+            h, _ = stack(c, name="layers")(h, positions_BT, segment_ids_BT)
+        else:
+            for i in range(c.num_layers):
+                h, _ = block(c, name=f"layer_{i}")(h, positions_BT, segment_ids_BT)
+        return io.unembed(h)
+
+
+def build_model(model_cfg: ml_collections.ConfigDict) -> Decoder:
+    """A Decoder over a frozen (hashable) copy of ``config.model``."""
+    return Decoder(ml_collections.FrozenConfigDict(model_cfg))

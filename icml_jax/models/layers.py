@@ -1,0 +1,44 @@
+"""Shared building blocks: logically-partitioned params, dtypes, RMSNorm."""
+from typing import Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def get_dtype(name: str, key: str = "config.model.dtype"):
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r} for `{key}`; choose one of {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def param(module: nn.Module, name: str, init_fn, shape: Sequence[int], axes: Sequence[str | None],
+          dtype):
+    """Creates a param annotated with logical axis names (one name per dim)."""
+    assert len(shape) == len(axes), (name, shape, axes)
+    return module.param(name, nn.with_logical_partitioning(init_fn, tuple(axes)), tuple(shape), dtype)
+
+
+def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
+    """Logical sharding constraint on an activation (a no-op outside a mesh context)."""
+    return nn.with_logical_constraint(x, tuple(axes))
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm over the last axis with a learned gain (Llama style, eps inside sqrt).
+
+    The statistic is computed in float32; the result is cast back to ``dtype``."""
+    eps: float = 1e-5
+    dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
+    axis_name: str = "embed"
+
+    @nn.compact
+    def __call__(self, x):
+        scale = param(self, "scale", nn.initializers.ones, (x.shape[-1],), (self.axis_name,),
+                      self.param_dtype)
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * scale.astype(jnp.float32)).astype(self.dtype)

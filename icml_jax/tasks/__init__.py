@@ -1,0 +1,6 @@
+"""Tasks: how a batch becomes a loss. Chosen by `config.task`."""
+from icml_jax.registry import Registry
+
+TASKS = Registry("task", "config.task")
+
+from icml_jax.tasks import lm  # noqa: E402,F401  (registers "lm")

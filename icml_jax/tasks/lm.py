@@ -1,0 +1,55 @@
+"""Next-token language modelling on packed rows."""
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from icml_jax import data as data_lib
+from icml_jax.models import build_model
+from icml_jax.tasks import TASKS
+
+
+def token_logprobs(logits_BTV, targets_BT):
+    """log p(target) per token, float32 [B, T]."""
+    logp = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
+    return jnp.take_along_axis(logp, targets_BT[..., None], axis=-1)[..., 0]
+
+
+@TASKS.register("lm")
+class LMTask:
+    """Batches are dicts of int32 [B, T]: inputs, targets, segment_ids (0 = padding), positions."""
+
+    def __init__(self, config: ml_collections.ConfigDict):
+        self.config = config
+        self.tokenizer = data_lib.build_tokenizer(config.data.tokenizer)
+        if self.tokenizer.vocab_size > config.model.vocab_size:
+            raise ValueError(
+                f"config.model.vocab_size={config.model.vocab_size} is smaller than the tokenizer's "
+                f"vocabulary ({self.tokenizer.vocab_size}); raise config.model.vocab_size")
+        self.model = build_model(config.model)
+
+    def dummy_batch(self, batch_size: int, seq_len: int):
+        z = jnp.zeros((batch_size, seq_len), jnp.int32)
+        return dict(inputs=z, targets=z, segment_ids=z + 1, positions=z)
+
+    def init_params(self, rng, batch):
+        return self.model.init(rng, batch["inputs"], batch["positions"], batch["segment_ids"])["params"]
+
+    def loss(self, params, batch):
+        """Returns (sum of token NLL, number of target tokens, metric sums)."""
+        logits = self.model.apply({"params": params}, batch["inputs"], batch["positions"],
+                                  batch["segment_ids"])
+        w = (batch["segment_ids"] > 0).astype(jnp.float32)
+        nll = -token_logprobs(logits, batch["targets"]) * w
+        correct = (jnp.argmax(logits, -1) == batch["targets"]).astype(jnp.float32) * w
+        n = w.sum()
+        return nll.sum(), n, {"accuracy": correct.sum()}
+
+    def train_iterator(self, seed: int):
+        c = self.config
+        return data_lib.make_train_iterator(c.data, self.tokenizer, seq_len=c.data.seq_len,
+                                            global_batch_size=c.train.batch_size, seed=seed)
+
+    def eval_batches(self, split: str = "validation"):
+        c = self.config
+        return data_lib.make_eval_batches(c.data, self.tokenizer, split=split, seq_len=c.data.seq_len,
+                                          batch_size=c.train.batch_size, max_batches=c.train.eval_batches)

@@ -1,0 +1,73 @@
+"""orbax CheckpointManager holding train state + data-iterator state + config, with safe restore.
+
+Layout: ``WORKDIR/checkpoints/<step>/{state,data,config}``. orbax writes each step into a temporary
+directory and renames it on commit, so a run killed mid-save leaves no half-written step behind.
+A step that fails to restore (corrupted files) is moved aside to ``corrupt_<step>_<time>`` (never
+deleted) and the previous step is tried, with a warning.
+"""
+import os
+import time
+
+import grain
+import jax
+import orbax.checkpoint as ocp
+from absl import logging
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+class Checkpointer:
+    def __init__(self, directory: str, keep: int = 3, async_save: bool = True):
+        self.directory = os.path.abspath(directory)
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+                                               enable_async_checkpointing=async_save)
+        self.manager = ocp.CheckpointManager(
+            self.directory, options=options,
+            item_handlers={"state": ocp.StandardCheckpointHandler(),
+                           "data": grain.checkpoint.CheckpointHandler(),
+                           "config": ocp.JsonCheckpointHandler()})
+
+    def save(self, step: int, state, data_iter, config_dict: dict) -> None:
+        args = {"state": ocp.args.StandardSave(state), "config": ocp.args.JsonSave(config_dict)}
+        if data_iter is not None:
+            args["data"] = grain.checkpoint.CheckpointSave(data_iter)
+        self.manager.save(step, args=ocp.args.Composite(**args), force=True)
+
+    def all_steps(self):
+        return sorted(self.manager.all_steps())
+
+    def restore_latest(self, abstract_state, data_iter):
+        """Restores the newest readable step into ``abstract_state`` (ShapeDtypeStructs with
+        shardings) and ``data_iter``; returns (state, step), or (None, 0) without checkpoints."""
+        steps = self.all_steps()
+        for step in reversed(steps):
+            try:
+                args = {"state": ocp.args.StandardRestore(abstract_state)}
+                if data_iter is not None:
+                    args["data"] = grain.checkpoint.CheckpointRestore(data_iter)
+                restored = self.manager.restore(step, args=ocp.args.Composite(**args))
+                return restored["state"], step
+            except Exception as e:  # noqa: BLE001 - any read/parse failure means a bad checkpoint
+                path = os.path.join(self.directory, str(step))
+                if jax.process_index() == 0 and os.path.isdir(path):
+                    aside = os.path.join(self.directory, f"corrupt_{step}_{int(time.time())}")
+                    os.rename(path, aside)
+                    logging.warning("checkpoint %s could not be restored (%s: %s); moved it to %s "
+                                    "and trying the previous one", path, type(e).__name__, e, aside)
+                    print(f"WARNING: checkpoint {path} is unreadable ({type(e).__name__}: "
+                          f"{str(e)[:300]}); moved it to {aside}, falling back to the previous step")
+                self.manager.reload()
+        if steps:
+            raise CheckpointError(
+                f"none of the checkpoints {steps} in {self.directory} could be restored; "
+                "see the warnings above, or start fresh in a new --workdir")
+        return None, 0
+
+    def wait(self):
+        self.manager.wait_until_finished()
+
+    def close(self):
+        self.manager.wait_until_finished()
+        self.manager.close()

@@ -1,0 +1,274 @@
+"""The train loop, top to bottom: config -> mesh -> sharded state -> jitted step -> eval/ckpt.
+
+Every task (``config.task``) provides the model, the loss and the data; this file is the same for
+all of them. See ``train_and_evaluate``.
+"""
+import dataclasses
+import json
+import math
+import os
+import time
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from absl import logging
+from tqdm import tqdm
+
+from icml_jax import tasks
+from icml_jax.analysis.flops import train_flops_per_token
+from icml_jax.train import checkpoint as ckpt_lib
+from icml_jax.train import mesh as mesh_lib
+from icml_jax.train.metrics import MetricsWriter, plot_loss_curve
+from icml_jax.train.optimizer import lr_schedule, make_optimizer
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array  # int32 scalar: number of completed updates
+    params: dict
+    opt_state: optax.OptState
+    rng: jax.Array  # uint32 key data, advanced every step
+
+
+class NonFiniteLossError(FloatingPointError):
+    pass
+
+
+def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> tuple:
+    """Checks the cross-field constraints the type system cannot; returns the mesh shape."""
+    t, m = config.train, config.model
+    shape = mesh_lib.mesh_shape(config.mesh, num_devices)
+    if config.data.seq_len > m.max_seq_len:
+        raise ValueError(f"config.data.seq_len={config.data.seq_len} is above the model's maximum "
+                         f"config.model.max_seq_len={m.max_seq_len}; lower seq_len or raise max_seq_len")
+    if config.data.seq_len <= 0:
+        raise ValueError(f"config.data.seq_len must be positive, got {config.data.seq_len}")
+    if t.steps <= 0:
+        raise ValueError(f"config.train.steps must be positive, got {t.steps}")
+    rows = shape[0] * shape[1]
+    if t.batch_size % (rows * t.grad_accum):
+        raise ValueError(
+            f"config.train.batch_size={t.batch_size} must be divisible by data*fsdp={rows} times "
+            f"config.train.grad_accum={t.grad_accum}")
+    for key in ("checkpoint_every", "eval_every", "log_every"):
+        if t[key] <= 0:
+            raise ValueError(f"config.train.{key} must be positive, got {t[key]}")
+    if m.num_heads % m.num_kv_heads:
+        raise ValueError(f"config.model.num_heads={m.num_heads} is not a multiple of "
+                         f"config.model.num_kv_heads={m.num_kv_heads}")
+    return shape
+
+
+def make_train_step(task, tx, grad_accum: int):
+    """(state, batch) -> (state, metrics). Loss and grads are token-weighted means over the whole
+    global batch, so gradient accumulation gives the same update as one big batch."""
+
+    def loss_and_grad(params, batch):
+        def f(p):
+            lsum, n, msums = task.loss(p, batch)
+            return lsum, (n, msums)
+        (lsum, (n, msums)), g = jax.value_and_grad(f, has_aux=True)(params)
+        return lsum, n, msums, g
+
+    def step_fn(state: TrainState, batch):
+        if grad_accum == 1:
+            lsum, n, msums, gsum = loss_and_grad(state.params, batch)
+        else:
+            micro = jax.tree.map(
+                lambda x: x.reshape((x.shape[0] // grad_accum, grad_accum) + x.shape[1:]).swapaxes(0, 1),
+                batch)
+
+            def body(carry, mb):
+                out = loss_and_grad(state.params, mb)
+                return jax.tree.map(jnp.add, carry, out), None
+
+            zeros = jax.tree.map(jnp.zeros_like,
+                                 jax.eval_shape(loss_and_grad, state.params,
+                                                jax.tree.map(lambda x: x[0], micro)))
+            (lsum, n, msums, gsum), _ = jax.lax.scan(body, zeros, micro)
+        denom = jnp.maximum(n, 1.0)
+        grads = jax.tree.map(lambda g: g / denom, gsum)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        rng = jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state.rng))[0])
+        metrics = {"loss": lsum / denom, "grad_norm": optax.global_norm(grads), "tokens": n}
+        metrics.update({k: v / denom for k, v in msums.items()})
+        return TrainState(state.step + 1, params, opt_state, rng), metrics
+
+    return step_fn
+
+
+def make_eval_step(task):
+    def eval_fn(params, batch):
+        lsum, n, msums = task.loss(params, batch)
+        return {"nll": lsum, "tokens": n, **msums}
+    return eval_fn
+
+
+def evaluate(eval_step, params, batches, to_global) -> dict:
+    totals = None
+    for b in batches:
+        out = jax.device_get(eval_step(params, to_global(b)))
+        totals = out if totals is None else jax.tree.map(np.add, totals, out)
+    if totals is None:
+        raise ValueError("the evaluation split produced no batches: the validation corpus is empty "
+                         "(check config.data.*)")
+    n = max(float(totals["tokens"]), 1.0)
+    loss = float(totals["nll"]) / n
+    out = {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 80.0)), "eval_tokens": n}
+    out.update({f"eval_{k}": float(v) / n for k, v in totals.items() if k not in ("nll", "tokens")})
+    return out
+
+
+def create_sharded_state(task, tx, config, mesh, rules):
+    """eval_shape(init) -> logical specs -> NamedShardings -> jit(init, out_shardings)."""
+    c = config
+    dummy = task.dummy_batch(1, c.data.seq_len)
+    init_rng, state_rng = jax.random.split(jax.random.key(c.seed))
+
+    def init_boxed(rng):
+        params = task.init_params(rng, dummy)
+        return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params),
+                          jax.random.key_data(state_rng))
+
+    with mesh, nn.logical_axis_rules(rules):
+        abstract = jax.eval_shape(init_boxed, init_rng)
+        shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, rules)
+        init = jax.jit(lambda r: nn.meta.unbox(init_boxed(r)), out_shardings=shardings)
+        state = init(init_rng)
+    return state, shardings
+
+
+def _config_dict(config) -> dict:
+    return json.loads(config.to_json_best_effort())
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
+    """Trains ``config`` in ``workdir`` (resuming from its latest checkpoint); returns a summary."""
+    t = config.train
+    is_main = jax.process_index() == 0
+    shape = validate_config(config, jax.device_count())
+    task = tasks.TASKS.get(config.task)(config)
+    mesh, rules = mesh_lib.make_mesh(config.mesh), mesh_lib.logical_rules(config.mesh)
+    tx = make_optimizer(t)
+    os.makedirs(workdir, exist_ok=True)
+    if is_main:
+        with open(os.path.join(workdir, "config.json.tmp"), "w") as f:
+            json.dump(_config_dict(config), f, indent=2)
+        os.replace(os.path.join(workdir, "config.json.tmp"), os.path.join(workdir, "config.json"))
+
+    state, state_shardings = create_sharded_state(task, tx, config, mesh, rules)
+    n_params = sum(x.size for x in jax.tree.leaves(state.params))
+    data_iter = task.train_iterator(seed=config.seed)
+    ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=t.keep_checkpoints,
+                                 async_save=t.async_checkpoint)
+    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state,
+                            state_shardings)
+    restored, start = ckpt.restore_latest(abstract, data_iter)
+    if restored is not None:
+        state = restored
+        if is_main:
+            print(f"Resumed from {ckpt.directory}/{start}")
+    log = (lambda *a: print(*a, flush=True)) if is_main else (lambda *a: None)
+    log(f"Model: {n_params:,} params | mesh data={shape[0]} fsdp={shape[1]} tensor={shape[2]} "
+        f"| {jax.device_count()} {jax.devices()[0].platform} device(s) | workdir {os.path.abspath(workdir)}")
+
+    batch_sharding = mesh_lib.batch_sharding(mesh)
+
+    def to_global(b):
+        return jax.tree.map(lambda x: jax.make_array_from_process_local_data(batch_sharding, x), b)
+
+    with mesh, nn.logical_axis_rules(rules):
+        train_step = jax.jit(make_train_step(task, tx, t.grad_accum),
+                             in_shardings=(state_shardings, batch_sharding),
+                             out_shardings=(state_shardings, None), donate_argnums=0)
+        eval_step = jax.jit(make_eval_step(task), in_shardings=(state_shardings.params, batch_sharding))
+    eval_batches = task.eval_batches("validation")
+    writer = MetricsWriter(workdir, start, enabled=is_main)
+    flops_per_token = train_flops_per_token(config.model, config.data.seq_len)
+    schedule = lr_schedule(t)
+    pending, window_start, window_tokens = [], time.time(), 0.0
+    bar = tqdm(total=t.steps, initial=start, disable=not (is_main and t.progress), unit="step",
+               dynamic_ncols=True)
+    last_good = start if restored is not None else None
+    summary = {"params": int(n_params), "start_step": int(start)}
+
+    def flush(step):
+        """Fetches the queued step metrics, stops on a non-finite loss, writes the lines."""
+        nonlocal pending, window_start, window_tokens
+        rows = jax.device_get([m for _, m in pending])
+        elapsed = max(time.time() - window_start, 1e-9)
+        tokens = sum(float(r["tokens"]) for r in rows)
+        tok_s = tokens / elapsed
+        for (s, _), r in zip(pending, rows):
+            if not np.isfinite(r["loss"]):
+                where = (f"the last good checkpoint is step {last_good} in {ckpt.directory}"
+                         if last_good is not None else "no checkpoint was written yet")
+                raise NonFiniteLossError(
+                    f"loss became {float(r['loss'])} at step {s}; training stopped, {where}. "
+                    "Lower config.train.lr, raise config.train.warmup_steps or check the data.")
+            line = {k: float(v) for k, v in r.items()}
+            line.update(lr=float(schedule(s - 1)), tokens_per_sec=tok_s,
+                        model_tflops_per_sec=tok_s * flops_per_token / 1e12)
+            writer.write(s, line)
+        if rows:
+            bar.set_postfix(loss=f"{float(rows[-1]['loss']):.3f}", tok_s=f"{tok_s:,.0f}")
+            summary.update(loss=float(rows[-1]["loss"]), tokens_per_sec=tok_s)
+        pending, window_start = [], time.time()
+
+    try:
+        for step in range(start, t.steps):
+            batch = to_global(next(data_iter))
+            state, metrics = train_step(state, batch)
+            s = step + 1
+            pending.append((s, metrics))
+            bar.update(1)
+            do_eval = s % t.eval_every == 0 or s == t.steps
+            do_ckpt = s % t.checkpoint_every == 0 or s == t.steps
+            if s % t.log_every == 0 or do_eval or do_ckpt:
+                flush(s)
+            if do_eval:
+                ev = evaluate(eval_step, state.params, eval_batches, to_global)
+                writer.write(s, ev)
+                summary.update(ev)
+                bar.write(f"step {s}: eval_loss={ev['eval_loss']:.4f} "
+                          f"perplexity={ev['eval_perplexity']:.2f}") if is_main else None
+            if do_ckpt:
+                ckpt.save(s, state, data_iter, _config_dict(config))
+                last_good = s
+        flush(t.steps)
+    finally:
+        bar.close()
+        ckpt.close()
+        writer.close()
+
+    if start >= t.steps and restored is not None:  # already finished: report the eval again
+        summary.update(evaluate(eval_step, state.params, eval_batches, to_global))
+    summary["step"] = int(jax.device_get(state.step))
+    if is_main:
+        plot_loss_curve(writer.path, os.path.join(workdir, "loss_curve.png"))
+        if t.samples > 0:
+            summary["samples"] = _print_samples(task, state.params, config, log)
+        with open(os.path.join(workdir, "summary.json.tmp"), "w") as f:
+            json.dump({k: v for k, v in summary.items()}, f, indent=2)
+        os.replace(os.path.join(workdir, "summary.json.tmp"), os.path.join(workdir, "summary.json"))
+    summary["state"] = state
+    return summary
+
+
+def _print_samples(task, params, config, log):
+    from icml_jax.inference.sampling import generate
+    t = config.train
+    prompts = list(t.sample_prompts)[: t.samples]
+    params = jax.device_get(params)
+    texts = generate(task.model, params, task.tokenizer, prompts, jax.random.key(config.seed + 1),
+                     max_new=t.sample_len, temperature=t.sample_temperature,
+                     max_len=None)
+    for p, x in zip(prompts, texts):
+        log(f"--- sample ---\n{p}{x}")
+    return [p + x for p, x in zip(prompts, texts)]
