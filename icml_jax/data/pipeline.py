@@ -1,0 +1,249 @@
+"""grain pipelines: tokenise, chunk, pack (with segment ids) and batch text for LM training.
+
+Axis letters: B rows per process (``global_batch_size // process_count``), T ``seq_len``.
+
+Batch contract (train and eval), every value a numpy int32 array of shape [B, T]:
+  inputs       token ids; 0 (= pad_id of both tokenizers) in padding.
+  targets      next-token ids: targets[b, t] follows inputs[b, t] in the same document.
+  segment_ids  1, 2, 3, ... for the pieces packed into a row, 0 for padding. Use
+               ``segment_ids > 0`` as the loss weight and equal, non-zero segment ids for the
+               attention mask.
+  positions    0, 1, 2, ... restarting at every piece; 0 in padding.
+
+How documents become pieces. A document is tokenised as ``[bos] + encode(text) + [eos]`` (length
+L >= 2). It is cut into chunks of at most T + 1 tokens that overlap by one token: chunk i covers
+tokens [i*T, min(i*T + T + 1, L)), and gives inputs = chunk[:-1], targets = chunk[1:]. So every
+(token, next token) pair of the document appears in exactly one piece — no prediction is lost at
+chunk boundaries and no target crosses a document boundary; the only cost is that a chunk's first
+token (the previous chunk's last target) is re-read as context, with positions restarting at 0.
+Pieces are packed into rows of T by grain's ``FirstFitPackIterDataset``.
+
+Training order: the corpus is tokenised once into memory (int32; a corpus must fit in host RAM), the
+chunk table is shuffled per epoch from ``seed`` (grain ``MapDataset.shuffle`` + ``repeat``, a new
+permutation each epoch), packed, and batched to ``global_batch_size`` rows. Every process builds the
+same global batch and keeps rows ``[p * B, (p + 1) * B)`` where p = process_index: processes get
+disjoint, equally sized slices whose concatenation (in process order) is the 1-process batch.
+
+The iterator is a ``grain.DatasetIterator``: ``get_state()`` / ``set_state()`` restore it exactly;
+save it beside the train state with ``grain.checkpoint.CheckpointSave(iterator)`` in orbax.
+No worker processes are used (deterministic, cheap on a 2-core CPU).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any
+
+import grain
+import numpy as np
+
+from icml_jax.data import sources
+
+FEATURES = ("inputs", "targets", "segment_ids", "positions")
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizedCorpus:
+    """All documents of a split as one int32 array plus a chunk table.
+
+    tokens: [N] every document as [bos] + ids + [eos], concatenated.
+    doc_starts: [D + 1] document boundaries into ``tokens``.
+    chunk_starts, chunk_ends: [C] chunk i is tokens[chunk_starts[i]:chunk_ends[i]] (2..T+1 tokens).
+    """
+
+    tokens: np.ndarray
+    doc_starts: np.ndarray
+    chunk_starts: np.ndarray
+    chunk_ends: np.ndarray
+
+    @property
+    def num_documents(self) -> int:
+        return len(self.doc_starts) - 1
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.chunk_starts)
+
+    def chunk(self, i: int) -> dict[str, np.ndarray]:
+        c = self.tokens[self.chunk_starts[i]:self.chunk_ends[i]]
+        return {"inputs": c[:-1], "targets": c[1:]}
+
+
+def _process_slice(global_batch_size: int, process_index: int | None,
+                   process_count: int | None) -> tuple[int, int]:
+    if process_index is None or process_count is None:
+        import jax  # pylint: disable=g-import-not-at-top
+
+        process_index = jax.process_index() if process_index is None else process_index
+        process_count = jax.process_count() if process_count is None else process_count
+    if process_count < 1 or not 0 <= process_index < process_count:
+        raise ValueError(f"process_index={process_index} must be in [0, process_count="
+                         f"{process_count}).")
+    if global_batch_size < 1 or global_batch_size % process_count:
+        raise ValueError(
+            f"global batch size {global_batch_size} (config.train.batch_size) must be a positive "
+            f"multiple of the process count {process_count}; pick e.g. "
+            f"{max(1, global_batch_size // process_count) * process_count}.")
+    per_process = global_batch_size // process_count
+    return process_index * per_process, per_process
+
+
+def _check_seq_len(seq_len: int) -> None:
+    if not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
+        raise ValueError(f"seq_len={seq_len!r} (config.data.seq_len) must be a positive integer.")
+
+
+def tokenize_source(source: Any, tokenizer: Any, seq_len: int) -> TokenizedCorpus:
+    """Tokenises every document of ``source`` and builds the chunk table for ``seq_len``."""
+    _check_seq_len(seq_len)
+    if len(source) == 0:
+        raise ValueError(f"{source!r} has no documents.")
+    pieces = []
+    for i in range(len(source)):
+        ids = tokenizer.encode_np(source[i]["text"])
+        doc = np.empty(len(ids) + 2, dtype=np.int32)
+        doc[0], doc[1:-1], doc[-1] = tokenizer.bos_id, ids, tokenizer.eos_id
+        pieces.append(doc)
+    lengths = np.array([len(p) for p in pieces], dtype=np.int64)
+    doc_starts = np.concatenate([[0], np.cumsum(lengths)])
+    # A document of length L gives ceil((L - 1) / T) chunks starting at s, s + T, s + 2T, ...
+    n_chunks = (lengths - 1 + seq_len - 1) // seq_len
+    doc_of_chunk = np.repeat(np.arange(len(pieces)), n_chunks)
+    first_chunk = np.concatenate([[0], np.cumsum(n_chunks)])[:-1]
+    within = np.arange(n_chunks.sum()) - np.repeat(first_chunk, n_chunks)
+    starts = doc_starts[doc_of_chunk] + within * seq_len
+    ends = np.minimum(starts + seq_len + 1, doc_starts[doc_of_chunk + 1])
+    return TokenizedCorpus(tokens=np.concatenate(pieces), doc_starts=doc_starts,
+                           chunk_starts=starts, chunk_ends=ends)
+
+
+def load_corpus(data_cfg: Any, tokenizer: Any, split: str, seq_len: int) -> TokenizedCorpus:
+    """get_split_source + tokenize_source, with a log line of the corpus size and timing."""
+    t0 = time.perf_counter()
+    source = sources.get_split_source(data_cfg, split)
+    corpus = tokenize_source(source, tokenizer, seq_len)
+    logging.info("data %s: %d documents, %d tokens, %d chunks of <= %d (%.2fs)", source,
+                 corpus.num_documents, len(corpus.tokens), corpus.num_chunks, seq_len + 1,
+                 time.perf_counter() - t0)
+    return corpus
+
+
+def _rename(row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {"inputs": row["inputs"].astype(np.int32),
+            "targets": row["targets"].astype(np.int32),
+            "segment_ids": row["inputs_segment_ids"].astype(np.int32),
+            "positions": row["inputs_positions"].astype(np.int32)}
+
+
+def _pack(ds: grain.IterDataset, seq_len: int, num_bins: int, seed: int,
+          shuffle_bins: bool) -> grain.IterDataset:
+    packed = grain.experimental.FirstFitPackIterDataset(
+        ds, length_struct={"inputs": seq_len, "targets": seq_len}, num_packing_bins=num_bins,
+        seed=seed, shuffle_bins=shuffle_bins)
+    return packed.map(_rename)
+
+
+def _slice_rows(start: int, size: int):
+    def fn(batch):
+        return {k: v[start:start + size] for k, v in batch.items()}
+    return fn
+
+
+_READ = grain.ReadOptions(num_threads=1, prefetch_buffer_size=16)
+
+
+def packed_dataset(corpus: TokenizedCorpus, *, seq_len: int, seed: int | None,
+                   num_epochs: int | None = None, num_bins: int = 16) -> grain.IterDataset:
+    """Rows of T packed pieces (dicts of [T] int32). ``seed=None``: corpus order, no shuffling.
+
+    ``num_epochs=None`` repeats forever (each epoch a new permutation of the chunks).
+    """
+    ds = grain.MapDataset.range(corpus.num_chunks)
+    if seed is not None:
+        ds = ds.shuffle(seed=seed)
+    if num_epochs != 1:
+        ds = ds.repeat(num_epochs)
+    ds = ds.map(corpus.chunk).to_iter_dataset(_READ)
+    return _pack(ds, seq_len, num_bins, seed or 0, shuffle_bins=seed is not None)
+
+
+def make_train_iterator(data_cfg: Any, tokenizer: Any, *, seq_len: int, global_batch_size: int,
+                        seed: int, process_index: int | None = None,
+                        process_count: int | None = None) -> grain.DatasetIterator:
+    """Endless iterator of training batches (see the module docstring for the contract).
+
+    Args:
+      data_cfg: ``config.data``.
+      tokenizer: from ``build_tokenizer``.
+      seq_len: T.
+      global_batch_size: rows across all processes; must divide by process_count.
+      seed: shuffling seed; equal seeds give identical batches.
+      process_index, process_count: default to ``jax.process_index() / process_count()``.
+
+    Returns:
+      a grain ``DatasetIterator`` of dicts of int32 [global_batch_size // process_count, T]; it
+      supports ``get_state()`` / ``set_state()``.
+    """
+    _check_seq_len(seq_len)
+    start, size = _process_slice(global_batch_size, process_index, process_count)
+    corpus = load_corpus(data_cfg, tokenizer, "train", seq_len)
+    ds = packed_dataset(corpus, seq_len=seq_len, seed=int(seed),
+                        num_bins=max(16, global_batch_size))
+    ds = ds.batch(global_batch_size, drop_remainder=True).map(_slice_rows(start, size))
+    return iter(ds)
+
+
+def make_eval_batches(data_cfg: Any, tokenizer: Any, *, split: str = "validation", seq_len: int,
+                      batch_size: int, max_batches: int | None = None,
+                      process_index: int | None = None,
+                      process_count: int | None = None) -> list[dict[str, np.ndarray]]:
+    """Deterministic, unshuffled evaluation batches of ``split`` (same contract as training).
+
+    ``batch_size`` is global (split across processes like training). Documents are read in the
+    source's stored order, packed into rows, and batched; the last batch is completed with all-
+    padding rows (segment_ids 0), so every batch has the same shape. ``max_batches`` (None or <= 0:
+    all) caps the number of batches, taken from the start of the split.
+    """
+    _check_seq_len(seq_len)
+    start, size = _process_slice(batch_size, process_index, process_count)
+    corpus = load_corpus(data_cfg, tokenizer, split, seq_len)
+    ds = packed_dataset(corpus, seq_len=seq_len, seed=None, num_epochs=1,
+                        num_bins=max(16, batch_size))
+    batches = []
+    rows = []
+    for row in ds:
+        rows.append(row)
+        if len(rows) == batch_size:
+            batches.append(_stack(rows, batch_size, seq_len))
+            rows = []
+            if max_batches and max_batches > 0 and len(batches) >= max_batches:
+                break
+    else:
+        if rows:
+            batches.append(_stack(rows, batch_size, seq_len))
+    return [_slice_rows(start, size)(b) for b in batches]
+
+
+def _stack(rows: list[dict[str, np.ndarray]], batch_size: int, seq_len: int):
+    out = {k: np.zeros((batch_size, seq_len), np.int32) for k in FEATURES}
+    for i, row in enumerate(rows):
+        for k in FEATURES:
+            out[k][i] = row[k]
+    return out
+
+
+def describe(data_cfg: Any, tokenizer: Any, seq_len: int) -> dict[str, dict[str, int]]:
+    """Corpus statistics per split: documents, tokens, chunks, utf-8 bytes per token."""
+    stats = {}
+    for split in sources.SPLITS:
+        try:
+            source = sources.get_split_source(data_cfg, split)
+        except ValueError:
+            continue  # e.g. a tiny corpus without a test split
+        corpus = tokenize_source(source, tokenizer, seq_len)
+        n_bytes = sum(len(source[i]["text"].encode("utf-8")) for i in range(len(source)))
+        stats[split] = {"documents": corpus.num_documents, "tokens": int(len(corpus.tokens)),
+                        "chunks": corpus.num_chunks,
+                        "bytes_per_token": round(n_bytes / max(1, len(corpus.tokens)), 3)}
+    return stats
