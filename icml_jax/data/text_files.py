@@ -9,9 +9,10 @@
 
 Split (deterministic, stable when documents are added): u = sha256(key) as a number in [0, 1);
 ``validation`` if u < 0.05, ``test`` if 0.05 <= u < 0.10, else ``train``. Tiny corpora are then
-repaired in that order: train gets >= 1 document, validation >= 1 (needs >= 2 documents) and test
->= 1 (needs >= 3 documents), each time moving the train document with the smallest u. A corpus with a
-single document is rejected (split the file). Empty splits are not written.
+repaired: with < 3 documents there is no test split (its documents go to validation); train gets
+>= 1 document, validation >= 1 and (from 3 documents on) test >= 1, each time moving the document
+with the smallest u out of a split that has >= 2. A corpus with a single document is rejected
+(split the file). Empty splits are not written, so a 2-document corpus has no 'test' split.
 
 Data is written as array_record under ``{data_dir}/text_files/<kind>_<fingerprint>/1.0.0/``, where the
 fingerprint covers the absolute path, text_key and every file's size and mtime, so editing the data
@@ -57,12 +58,16 @@ def assign_splits(keys: list[str]) -> dict[str, str]:
     def members(split):
         return sorted((k for k in keys if out[k] == split), key=lambda k: u[k])
 
+    if len(keys) < 3:  # too small for a test split
+        out.update({k: "validation" for k in members("test")})
     if not members("train"):
-        out[max(keys, key=lambda k: u[k])] = "train"
+        out[members("validation")[-1] if members("validation") else members("test")[-1]] = "train"
     for split, min_docs in (("validation", 2), ("test", 3)):
-        train = members("train")
-        if not members(split) and len(keys) >= min_docs and len(train) >= 2:
-            out[train[0]] = split
+        if members(split) or len(keys) < min_docs:
+            continue
+        donor = next(d for d in ("train", "validation", "test")
+                     if d != split and len(members(d)) >= 2)
+        out[members(donor)[0]] = split
     return out
 
 

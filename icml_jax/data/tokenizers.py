@@ -148,6 +148,11 @@ def train_sentencepiece(
             sentence_iterator=sentences(), model_prefix=model_prefix, vocab_size=vocab_size,
             model_type=model_type, character_coverage=character_coverage,
             pad_id=0, bos_id=1, eos_id=2, unk_id=3, hard_vocab_limit=False,
+            # Lossless on text: keep newlines (a piece of their own), runs of spaces and a leading
+            # space; unseen characters fall back to UTF-8 byte pieces.
+            normalization_rule_name="identity", remove_extra_whitespaces=False,
+            add_dummy_prefix=False, user_defined_symbols=["\n"], byte_fallback=True,
+            allow_whitespace_only_pieces=True, split_digits=True,
             max_sentence_length=max_sentence_length, seed_sentencepiece_size=seed_sentencepiece_size,
             num_threads=os.cpu_count() or 1, minloglevel=2)
     return SentencePieceTokenizer(model_prefix + ".model")
