@@ -153,17 +153,22 @@ def _slice_rows(start: int, size: int):
 _READ = grain.ReadOptions(num_threads=1, prefetch_buffer_size=16)
 
 
+def chunk_order(num_chunks: int, *, seed: int | None,
+                num_epochs: int | None = None) -> grain.MapDataset:
+    """Chunk indices: epoch e is a permutation of range(num_chunks) seeded by (seed, e)."""
+    ds = grain.MapDataset.range(num_chunks)
+    if seed is not None:
+        ds = ds.shuffle(seed=seed)
+    return ds if num_epochs == 1 else ds.repeat(num_epochs)
+
+
 def packed_dataset(corpus: TokenizedCorpus, *, seq_len: int, seed: int | None,
                    num_epochs: int | None = None, num_bins: int = 16) -> grain.IterDataset:
     """Rows of T packed pieces (dicts of [T] int32). ``seed=None``: corpus order, no shuffling.
 
     ``num_epochs=None`` repeats forever (each epoch a new permutation of the chunks).
     """
-    ds = grain.MapDataset.range(corpus.num_chunks)
-    if seed is not None:
-        ds = ds.shuffle(seed=seed)
-    if num_epochs != 1:
-        ds = ds.repeat(num_epochs)
+    ds = chunk_order(corpus.num_chunks, seed=seed, num_epochs=num_epochs)
     ds = ds.map(corpus.chunk).to_iter_dataset(_READ)
     return _pack(ds, seq_len, num_bins, seed or 0, shuffle_bins=seed is not None)
 
