@@ -31,12 +31,12 @@ No worker processes are used (deterministic, cheap on a 2-core CPU).
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 from typing import Any
 
 import grain
 import numpy as np
+from absl import logging
 
 from icml_jax.data import sources
 

@@ -68,9 +68,9 @@ def _tfds_source(spec: str, split: str, text_key: str, data_dir: str | None) -> 
     name = parts[1] + (f":{parts[2]}" if len(parts) == 3 and parts[2] else "")
     try:
         builder = tfds.builder(name, data_dir=data_dir, file_format="array_record")
-    except Exception as e:  # DatasetNotFoundError and friends
-        raise ValueError(f"config.data.name={spec!r}: TFDS cannot find dataset {name!r} ({e}).") \
-            from e
+    except Exception as e:  # DatasetNotFoundError, missing builder dependencies, ...
+        raise ValueError(f"config.data.name={spec!r}: TFDS could not load the builder of {name!r} "
+                         f"({type(e).__name__}: {e}).") from e
     if not builder.is_prepared():
         _tfds_common.prepare(builder)
     _check_split(split, list(builder.info.splits.keys()), f"TFDS dataset {name!r}")
