@@ -28,5 +28,20 @@ def main(argv):
         sys.exit(1)
 
 
+def run():
+    """app.run with config-override mistakes reported in one line instead of a traceback."""
+    try:
+        app.run(main)
+    except (KeyError, AttributeError) as e:
+        if flags.FLAGS.is_parsed():  # not a flag-parsing failure: a real bug, keep the traceback
+            raise
+        bad = [a for a in sys.argv[1:] if a.startswith("--config.")]
+        msg = str(e).strip("'\"").replace("\\n", " ").replace("\\'", "'").replace('\\"', '"')
+        print(f"error: unknown config key in {' '.join(bad) or 'the config'}: {msg}. "
+              "List the valid keys with `python -c \"from icml_jax.config_utils import load_config; "
+              "print(load_config('CONFIG.py:PRESET'))\"`.", file=sys.stderr)
+        sys.exit(2)
+
+
 if __name__ == "__main__":
-    app.run(main)
+    run()
