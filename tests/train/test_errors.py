@@ -1,0 +1,111 @@
+"""Clear errors: bad config overrides, bad mesh, over-long sequences, missing corpora,
+corrupted checkpoints and NaN losses."""
+import os
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from icml_jax.config_utils import load_config
+from icml_jax.train import checkpoint as ckpt_lib
+from icml_jax.train import trainer
+from icml_jax.train.metrics import read_metrics
+from tests.train.helpers import run_main
+
+
+@pytest.fixture
+def cfg(tmp_path):
+    c = load_config("configs/lm.py:tiny", unlocked=True)
+    c.train.samples = 0
+    c.data.data_dir = str(tmp_path / "tfds")
+    return c
+
+
+@pytest.mark.parametrize("override,expect", [
+    ("--config.train.stepz=3", "unknown config key in --config.train.stepz=3"),
+    ("--config.train.steps=abc", "--config.train.steps=abc"),
+])
+def test_bad_overrides_fail_in_one_line(tmp_path, override, expect):
+    p = run_main(str(tmp_path / "w"), override, check=False, timeout=120)
+    assert p.returncode != 0
+    assert expect in p.stderr
+    assert "Traceback" not in p.stderr
+    assert not os.path.exists(tmp_path / "w" / "checkpoints")
+
+
+def test_mesh_that_does_not_divide_devices(cfg, tmp_path):
+    cfg.mesh.data = 3
+    with pytest.raises(ValueError, match="do not divide the 1 available device"):
+        trainer.train_and_evaluate(cfg, str(tmp_path / "w"))
+
+
+def test_sequence_length_above_model_maximum(cfg, tmp_path):
+    cfg.data.seq_len = cfg.model.max_seq_len * 2
+    with pytest.raises(ValueError, match="config.model.max_seq_len"):
+        trainer.train_and_evaluate(cfg, str(tmp_path / "w"))
+
+
+def test_missing_and_empty_corpus(cfg, tmp_path):
+    cfg.data.name = "text_files"
+    cfg.data.path = str(tmp_path / "nope")
+    with pytest.raises((ValueError, FileNotFoundError), match="config.data.path"):
+        trainer.train_and_evaluate(cfg, str(tmp_path / "w"))
+    (tmp_path / "empty").mkdir()
+    cfg.data.path = str(tmp_path / "empty")
+    with pytest.raises((ValueError, FileNotFoundError), match="txt"):
+        trainer.train_and_evaluate(cfg, str(tmp_path / "w"))
+
+
+def _corrupt(step_dir):
+    """Overwrites every file of the saved train state with garbage."""
+    n = 0
+    for root, _, files in os.walk(os.path.join(step_dir, "state")):
+        for f in files:
+            with open(os.path.join(root, f), "wb") as fh:
+                fh.write(b"\x00garbage" * 7)
+            n += 1
+    assert n > 0
+
+
+def test_corrupted_latest_checkpoint_falls_back_with_a_warning(cfg, tmp_path, capsys):
+    wd = str(tmp_path / "w")
+    cfg.train.steps, cfg.train.checkpoint_every = 10, 5
+    trainer.train_and_evaluate(cfg, wd)
+    _corrupt(os.path.join(wd, "checkpoints", "10"))
+    cfg.train.steps = 12
+    s = trainer.train_and_evaluate(cfg, wd)
+    out = capsys.readouterr().out
+    assert "checkpoints/10 is unreadable" in out and "Resumed from" in out
+    assert s["start_step"] == 5 and s["step"] == 12
+    assert any(d.startswith("corrupt_10_") for d in os.listdir(os.path.join(wd, "checkpoints")))
+
+
+def test_all_checkpoints_corrupted_stops_naming_the_directory(cfg, tmp_path):
+    wd = str(tmp_path / "w")
+    cfg.train.steps, cfg.train.checkpoint_every = 10, 5
+    trainer.train_and_evaluate(cfg, wd)
+    for s in ("5", "10"):
+        _corrupt(os.path.join(wd, "checkpoints", s))
+    with pytest.raises(ckpt_lib.CheckpointError, match=os.path.join(wd, "checkpoints")):
+        trainer.train_and_evaluate(cfg, wd)
+
+
+def test_nan_loss_stops_naming_the_step_and_keeps_last_good_checkpoint(cfg, tmp_path):
+    wd = str(tmp_path / "w")
+    cfg.train.steps, cfg.train.checkpoint_every, cfg.train.log_every = 30, 2, 1
+    cfg.train.lr, cfg.train.clip_norm, cfg.train.warmup_steps = 1e30, 0.0, 3
+    with pytest.raises(trainer.NonFiniteLossError, match=r"at step (\d+)") as e:
+        trainer.train_and_evaluate(cfg, wd)
+    bad_step = int(str(e.value).split("at step ")[1].split(";")[0])
+    ckpts = sorted(int(d) for d in os.listdir(os.path.join(wd, "checkpoints")) if d.isdigit())
+    assert ckpts and max(ckpts) < bad_step
+    assert f"last good checkpoint is step {max(ckpts)}" in str(e.value)
+    losses = [r["loss"] for r in read_metrics(os.path.join(wd, "metrics.jsonl")) if "loss" in r]
+    assert all(np.isfinite(losses)) and len(losses) == bad_step - 1
+    # the kept checkpoint restores to finite params
+    c = ckpt_lib.Checkpointer(os.path.join(wd, "checkpoints"), async_save=False)
+    restored = c.manager.restore(
+        max(ckpts), args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+    c.close()
+    assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(restored["state"]["params"]))
