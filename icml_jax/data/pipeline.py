@@ -208,7 +208,8 @@ def make_eval_batches(data_cfg: Any, tokenizer: Any, *, split: str = "validation
     ``batch_size`` is global (split across processes like training). Documents are read in the
     source's stored order, packed into rows, and batched; the last batch is completed with all-
     padding rows (segment_ids 0), so every batch has the same shape. ``max_batches`` (None or <= 0:
-    all) caps the number of batches, taken from the start of the split.
+    all) caps the number of batches: that many batches evenly spaced over the whole split (so a
+    capped evaluation still sees every part of it, not just its first document).
     """
     _check_seq_len(seq_len)
     start, size = _process_slice(batch_size, process_index, process_count)
@@ -222,11 +223,11 @@ def make_eval_batches(data_cfg: Any, tokenizer: Any, *, split: str = "validation
         if len(rows) == batch_size:
             batches.append(_stack(rows, batch_size, seq_len))
             rows = []
-            if max_batches and max_batches > 0 and len(batches) >= max_batches:
-                break
-    else:
-        if rows:
-            batches.append(_stack(rows, batch_size, seq_len))
+    if rows:
+        batches.append(_stack(rows, batch_size, seq_len))
+    if max_batches and 0 < max_batches < len(batches):
+        keep = np.unique(np.linspace(0, len(batches) - 1, max_batches).round().astype(int))
+        batches = [batches[i] for i in keep]
     return [_slice_rows(start, size)(b) for b in batches]
 
 

@@ -201,7 +201,10 @@ def test_eval_batches_deterministic_padded_and_complete(shakespeare_cfg):
     assert len(a) == 3
     _assert_batches_equal(a, b)
     everything = make_eval_batches(shakespeare_cfg, TOK, max_batches=None, **kw)
-    _assert_batches_equal(everything[:3], a)
+    # a capped evaluation takes evenly spaced batches over the whole split: first, middle, last
+    spread = np.linspace(0, len(everything) - 1, 3).round().astype(int)
+    assert spread[-1] == len(everything) - 1 > 3
+    _assert_batches_equal([everything[i] for i in spread], a)
     for batch in everything:
         assert all(batch[k].shape == (4, 64) and batch[k].dtype == np.int32 for k in KEYS)
     # Every next-token pair of the split is scored exactly once.
