@@ -29,6 +29,14 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.init_std = 0.02
     c.model.position = "rope"  # registry: icml_jax.models.positions
     c.model.rope_theta = 10000.0
+    c.model.rope_scaling = ml_collections.ConfigDict()
+    c.model.rope_scaling.type = "none"  # none | linear | llama3 (HF rope_type semantics)
+    c.model.rope_scaling.factor = 1.0
+    c.model.rope_scaling.low_freq_factor = 1.0  # llama3 only
+    c.model.rope_scaling.high_freq_factor = 4.0  # llama3 only
+    c.model.rope_scaling.original_max_position = 8192  # llama3 only
+    c.model.qkv_bias = False  # Qwen2-style biases on the q/k/v projections
+    c.model.sliding_window = 0  # 0 = off; else a key is visible only if q_pos - k_pos < window
     c.model.mlp = ml_collections.ConfigDict()
     c.model.mlp.activation = "swiglu"  # registry: icml_jax.models.mlp
     c.model.residual = "standard"  # registry: icml_jax.models.residual

@@ -29,7 +29,10 @@ def _block_class(cfg):
 
 
 class Decoder(nn.Module):
+    """``decode=True`` adds a KV cache (collection ``cache``) sized by the init input [B, S]; each
+    call then appends its tokens (prefill: many, decode: one) and returns their logits."""
     cfg: ml_collections.ConfigDict
+    decode: bool = False
 
     @nn.compact
     def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None):
@@ -46,16 +49,16 @@ class Decoder(nn.Module):
         h = io(tokens_BT)
         block = _block_class(c)
         if c.scan_layers:
-            stack = nn.scan(block, variable_axes={"params": 0, "intermediates": 0},
+            stack = nn.scan(block, variable_axes={"params": 0, "intermediates": 0, "cache": 0},
                             split_rngs={"params": True}, in_axes=(nn.broadcast, nn.broadcast),
                             length=c.num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
-            h, _ = stack(c, name="layers")(h, positions_BT, segment_ids_BT)
+            h, _ = stack(c, self.decode, name="layers")(h, positions_BT, segment_ids_BT)
         else:
             for i in range(c.num_layers):
-                h, _ = block(c, name=f"layer_{i}")(h, positions_BT, segment_ids_BT)
+                h, _ = block(c, self.decode, name=f"layer_{i}")(h, positions_BT, segment_ids_BT)
         return io.unembed(h)
 
 
-def build_model(model_cfg: ml_collections.ConfigDict) -> Decoder:
+def build_model(model_cfg: ml_collections.ConfigDict, decode: bool = False) -> Decoder:
     """A Decoder over a frozen (hashable) copy of ``config.model``."""
-    return Decoder(ml_collections.FrozenConfigDict(model_cfg))
+    return Decoder(ml_collections.FrozenConfigDict(model_cfg), decode=decode)

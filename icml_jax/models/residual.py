@@ -4,7 +4,8 @@ A residual stream is a pair of module classes:
   ``IO``    owns the token embedding, the final norm and the output projection:
             ``io(tokens_BT) -> h`` and ``io.unembed(h) -> logits_BTV``;
   ``Block`` is one layer: ``block(h, positions_BT, segment_ids_BT) -> (h, None)``
-            (the ``(carry, None)`` form lets the decoder scan over layers).
+            (the ``(carry, None)`` form lets the decoder scan over layers); it takes
+            ``Block(cfg, decode=...)`` and keeps its KV cache in the ``cache`` collection.
 The state ``h`` is any array pytree (a [B, T, D] vector for the standard stream; RMT keeps a
 per-token matrix). The decoder only loops, scans and remats; it never looks inside ``h``.
 """
@@ -62,11 +63,12 @@ class StandardIO(nn.Module):
 class StandardBlock(nn.Module):
     """Pre-norm block: h += attn(norm(h)); h += mlp(norm(h)). Sows the MLP activations."""
     cfg: ml_collections.ConfigDict
+    decode: bool = False
 
     @nn.compact
     def __call__(self, h_BTD, positions_BT, segment_ids_BT):
         c = self.cfg
-        h_BTD = h_BTD + Attention(c, name="attn")(_norm(c, "attn_norm")(h_BTD), positions_BT,
+        h_BTD = h_BTD + Attention(c, self.decode, name="attn")(_norm(c, "attn_norm")(h_BTD), positions_BT,
                                                   segment_ids_BT)
         y_BTD, acts_BTF = ACTIVATIONS.get(c.mlp.activation)(c, name="mlp")(_norm(c, "mlp_norm")(h_BTD))
         self.sow("intermediates", "mlp_acts", acts_BTF)
