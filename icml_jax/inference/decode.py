@@ -1,0 +1,239 @@
+"""Batched KV-cache decoding: one prefill call, then a one-token loop inside ``jax.lax.while_loop``.
+
+    out = generate(model_cfg, params, [[1, 5, 9], [1, 7]], key=jax.random.key(0),
+                   max_new_tokens=32, temperature=0.8, top_p=0.95, stop_tokens=(2,))
+    out.tokens   # [B, max_new] int32 numpy; ``pad_id`` after a row's stop token
+    out.lengths  # [B] tokens generated per row (the stop token included)
+
+Axis letters: B batch, P padded prompt length (a bucket), N max new tokens, S = P + N cache slots,
+V vocab.
+
+Prompts are LEFT-padded to a bucket (a multiple of 16, or of 64 above 256 tokens) so that every
+row's last prompt token sits in the same slot and one compile serves all prompt lengths in the
+bucket. Pads carry segment id 0 (never attended by real tokens), real tokens segment 1, and
+positions count real tokens only, so a padded row decodes exactly as it would alone. The cache is
+the model's own ``cache`` collection (``build_model(cfg, decode=True)``), sized S; position
+embeddings, sliding windows and qkv biases all live inside the model, so nothing here depends on
+them. Logits and log-probs are float32.
+
+Compiles once per (model config, B, P, N, sampling mode); temperature, top-p and top-k values are
+traced, only whether each filter is on is static.
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from icml_jax.models.decoder import build_model
+
+NEG_INF = -1e30
+
+
+class GenerateOutput(NamedTuple):
+    tokens: np.ndarray  # [B, N] int32; pad_id after a row stopped (and after N if it ended early)
+    lengths: np.ndarray  # [B] int32 generated tokens per row, a hit stop token included
+    logprobs: np.ndarray | None  # [B, N] float32 log p(token) under the raw model (T=1, unfiltered)
+    logits: np.ndarray | None = None  # [B, N, V] float32 raw logits per step (return_logits=True)
+
+
+class SamplerMode(NamedTuple):
+    """The static part of the sampler (changing it recompiles); the values are traced."""
+    greedy: bool
+    use_top_k: bool
+    use_top_p: bool
+
+
+# ----------------------------------------------------------------------------- sampling filters
+
+def top_k_filter(logits_BV: jax.Array, k) -> jax.Array:
+    """Keeps the k largest logits of each row (ties at the k-th value kept), others -> NEG_INF.
+
+    ``k`` may be traced (an int array); k <= 0 or k >= V keeps everything."""
+    V = logits_BV.shape[-1]
+    k = jnp.clip(jnp.asarray(k, jnp.int32), 1, V)
+    kth = jnp.take(jnp.sort(logits_BV, axis=-1), V - k, axis=-1)  # k-th largest, [B]
+    keep = jnp.where(jnp.asarray(k) >= V, True, logits_BV >= kth[..., None])
+    return jnp.where(keep, logits_BV, NEG_INF)
+
+
+def top_p_filter(logits_BV: jax.Array, p) -> jax.Array:
+    """Nucleus filter: keeps the smallest set of most likely tokens whose probability mass is
+    >= p (always at least the top token); the others -> NEG_INF. ``p`` may be traced."""
+    sorted_BV = jnp.sort(logits_BV, axis=-1)[..., ::-1]  # descending
+    probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
+    mass_before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
+    keep_sorted_BV = mass_before_BV < p  # token i is needed while the mass before it is < p
+    keep_sorted_BV = keep_sorted_BV.at[..., 0].set(True)
+    threshold_B = jnp.min(jnp.where(keep_sorted_BV, sorted_BV, jnp.inf), axis=-1)
+    return jnp.where(logits_BV >= threshold_B[..., None], logits_BV, NEG_INF)
+
+
+def sample_logits(key, logits_BV, mode: SamplerMode, temperature, top_k, top_p) -> jax.Array:
+    """Next token ids [B] (int32) from float32 logits [B, V]."""
+    logits_BV = logits_BV.astype(jnp.float32)
+    if mode.greedy:
+        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    logits_BV = logits_BV / temperature
+    if mode.use_top_k:
+        logits_BV = top_k_filter(logits_BV, top_k)
+    if mode.use_top_p:
+        logits_BV = top_p_filter(logits_BV, top_p)
+    return jax.random.categorical(key, logits_BV, axis=-1).astype(jnp.int32)
+
+
+# ----------------------------------------------------------------------------- the jitted core
+
+def init_cache(model, batch: int, size: int):
+    """The model's zero ``cache`` collection for [batch, size] (traced inside jit: the dummy
+    forward and the param init are dead code and are removed by XLA)."""
+    dummy = jnp.zeros((batch, size), jnp.int32)
+    return model.init(jax.random.key(0), dummy)["cache"]
+
+
+@functools.partial(jax.jit, static_argnames=("model", "max_new", "mode", "return_logits"))
+def _generate(model, params, tokens_BP, positions_BP, segments_BP, key, temperature, top_k, top_p,
+              stop_tokens, pad_id, *, max_new: int, mode: SamplerMode, return_logits: bool):
+    B, P = tokens_BP.shape
+    cache = init_cache(model, B, P + max_new)
+
+    def forward(cache, tok_BT, pos_BT, seg_BT):
+        logits_BTV, mut = model.apply({"params": params, "cache": cache}, tok_BT, pos_BT, seg_BT,
+                                      mutable=["cache"])
+        return logits_BTV[:, -1].astype(jnp.float32), mut["cache"]
+
+    def emit(state, logits_BV, key, i):
+        """Samples token i from logits and records it; rows already done emit pad."""
+        out, lps, lgs, done, lengths = state
+        tok = sample_logits(key, logits_BV, mode, temperature, top_k, top_p)
+        tok = jnp.where(done, pad_id, tok)
+        lp = jnp.take_along_axis(jax.nn.log_softmax(logits_BV, -1), tok[:, None], -1)[:, 0]
+        out = out.at[:, i].set(tok)
+        lps = lps.at[:, i].set(jnp.where(done, 0.0, lp))
+        if return_logits:
+            lgs = lgs.at[:, i].set(logits_BV)
+        lengths = lengths + (~done).astype(jnp.int32)
+        done = done | jnp.isin(tok, stop_tokens)
+        return tok, (out, lps, lgs, done, lengths)
+
+    logits_BV, cache = forward(cache, tokens_BP, positions_BP, segments_BP)
+    V = logits_BV.shape[-1]
+    state = (jnp.full((B, max_new), pad_id, jnp.int32), jnp.zeros((B, max_new), jnp.float32),
+             jnp.zeros((B, max_new, V) if return_logits else (0,), jnp.float32),
+             jnp.zeros((B,), bool), jnp.zeros((B,), jnp.int32))
+    key, sub = jax.random.split(key)
+    tok, state = emit(state, logits_BV, sub, 0)
+    next_pos = jnp.max(positions_BP, axis=1) + 1  # [B]: one past each row's last real token
+
+    def cond(carry):
+        i, _, _, _, state = carry
+        return (i < max_new) & ~jnp.all(state[3])
+
+    def body(carry):
+        i, cache, tok, key, state = carry
+        pos = (next_pos + i - 1)[:, None]
+        logits_BV, cache = forward(cache, tok[:, None], pos, jnp.ones((B, 1), jnp.int32))
+        key, sub = jax.random.split(key)
+        tok, state = emit(state, logits_BV, sub, i)
+        return i + 1, cache, tok, key, state
+
+    _, _, _, _, state = jax.lax.while_loop(cond, body, (jnp.int32(1), cache, tok, key, state))
+    out, lps, lgs, _, lengths = state
+    return out, lengths, lps, lgs
+
+
+# ----------------------------------------------------------------------------- host-side driver
+
+def bucket_length(n: int) -> int:
+    """Prompt bucket: n rounded up to a multiple of 16 (of 64 above 256)."""
+    step = 16 if n <= 256 else 64
+    return -(-n // step) * step
+
+
+def pad_prompts(prompts_tokens: Sequence[Sequence[int]], length: int, pad_id: int = 0):
+    """Left-pads to ``length``: tokens, positions (0 at each first real token) and segment ids
+    (0 = pad, 1 = real), each int32 [B, length]."""
+    B = len(prompts_tokens)
+    tokens = np.full((B, length), pad_id, np.int32)
+    positions = np.zeros((B, length), np.int32)
+    segments = np.zeros((B, length), np.int32)
+    for b, p in enumerate(prompts_tokens):
+        n = len(p)
+        if n:
+            tokens[b, length - n:] = np.asarray(p, np.int32)
+            positions[b, length - n:] = np.arange(n, dtype=np.int32)
+            segments[b, length - n:] = 1
+    return tokens, positions, segments
+
+
+def _validate(model_cfg, prompts_tokens, max_new_tokens, max_len, temperature, top_k, top_p):
+    if not prompts_tokens:
+        raise ValueError("generate: no prompts given")
+    lengths = [len(p) for p in prompts_tokens]
+    if min(lengths) == 0:
+        raise ValueError(f"generate: prompt {lengths.index(0)} is empty; every prompt needs at "
+                         "least one token (e.g. the tokenizer's bos_id)")
+    if max_new_tokens < 1:
+        raise ValueError(f"generate: max_new_tokens={max_new_tokens} must be >= 1")
+    if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"generate: need temperature >= 0 (0 = greedy), top_k >= 0 (0 = off) and "
+                         f"0 < top_p <= 1; got temperature={temperature}, top_k={top_k}, "
+                         f"top_p={top_p}")
+    limit = model_cfg.max_seq_len if max_len is None else min(max_len, model_cfg.max_seq_len)
+    longest = max(lengths)
+    if longest + max_new_tokens > limit:
+        which = (f"max_len={max_len}" if max_len is not None and max_len < model_cfg.max_seq_len
+                 else f"the model's max_seq_len={model_cfg.max_seq_len}")
+        raise ValueError(
+            f"generate: the longest prompt ({longest} tokens, prompt {lengths.index(longest)}) + "
+            f"max_new_tokens ({max_new_tokens}) = {longest + max_new_tokens} exceeds {which}; "
+            "shorten the prompt or ask for fewer new tokens")
+    vocab = model_cfg.vocab_size
+    bad = [t for p in prompts_tokens for t in p if not 0 <= int(t) < vocab]
+    if bad:
+        raise ValueError(f"generate: token ids {bad[:5]} are outside the model's vocab [0, {vocab})")
+    return longest, limit
+
+
+def generate(model_cfg: ml_collections.ConfigDict, params, prompts_tokens: Sequence[Sequence[int]], *,
+             key: jax.Array, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
+             top_p: float = 1.0, stop_tokens: Sequence[int] = (), pad_id: int = 0,
+             max_len: int | None = None, return_logits: bool = False) -> GenerateOutput:
+    """Continues each prompt (token ids) with KV-cache decoding.
+
+    Args:
+        model_cfg: ``config.model`` (the decode-mode model is built from it).
+        params: the model's params pytree (``{"params": ...}`` contents).
+        prompts_tokens: B lists of token ids, each non-empty, any lengths.
+        key: a ``jax.random`` key; split once per step (unused when greedy).
+        max_new_tokens: N, tokens generated per row at most.
+        temperature: 0 = greedy (argmax), else logits / temperature are sampled.
+        top_k: keep only the k most likely tokens (0 = off).
+        top_p: nucleus sampling, keep the smallest set with mass >= top_p (1 = off).
+        stop_tokens: ids that end a row (the stop token is emitted; pads follow).
+        pad_id: id emitted after a row stopped; also fills the left padding of prompts.
+        max_len: optional cap on prompt + new tokens (besides the model's max_seq_len).
+        return_logits: also return the raw float32 logits of every step [B, N, V] (debugging).
+
+    Returns:
+        ``GenerateOutput(tokens [B, N], lengths [B], logprobs [B, N], logits)`` as numpy.
+    """
+    longest, limit = _validate(model_cfg, prompts_tokens, max_new_tokens, max_len, temperature,
+                               top_k, top_p)
+    P = max(longest, min(bucket_length(longest), limit - max_new_tokens))
+    tokens, positions, segments = pad_prompts(prompts_tokens, P, pad_id)
+    greedy = temperature == 0
+    mode = SamplerMode(greedy=greedy, use_top_k=not greedy and top_k > 0,
+                       use_top_p=not greedy and top_p < 1.0)
+    stops = jnp.asarray(list(stop_tokens) or [-1], jnp.int32)
+    out, lengths, lps, lgs = _generate(
+        build_model(model_cfg, decode=True), params, tokens, positions, segments, key,
+        jnp.float32(temperature if not greedy else 1.0), jnp.int32(top_k), jnp.float32(top_p),
+        stops, jnp.int32(pad_id), max_new=int(max_new_tokens), mode=mode,
+        return_logits=return_logits)
+    return GenerateOutput(np.asarray(out), np.asarray(lengths), np.asarray(lps),
+                          np.asarray(lgs) if return_logits else None)
