@@ -194,15 +194,15 @@ def test_decode_mode_matches_hf_with_sliding_window(saved):
     model_cfg, params = load_hf(path)
     tokens = _tokens()
     model = build_model(model_cfg, decode=True)
-    cache = model.init(jax.random.key(0), jnp.zeros((2, T), jnp.int32))["cache"]
+    shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((2, T), jnp.int32))["cache"]
+    cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)  # an empty cache is all zeros
     pos = jnp.broadcast_to(jnp.arange(T), (2, T))
     prefill = 6
-    logits, state = model.apply({"params": params, "cache": cache}, tokens[:, :prefill],
-                                pos[:, :prefill], mutable=["cache"])
+    step = jax.jit(lambda p, c, t, ps: model.apply({"params": p, "cache": c}, t, ps, mutable=["cache"]))
+    logits, state = step(params, cache, tokens[:, :prefill], pos[:, :prefill])
     outs = [np.asarray(logits)]
     for t in range(prefill, T):
-        logits, state = model.apply({"params": params, "cache": state["cache"]},
-                                    tokens[:, t:t + 1], pos[:, t:t + 1], mutable=["cache"])
+        logits, state = step(params, state["cache"], tokens[:, t:t + 1], pos[:, t:t + 1])
         outs.append(np.asarray(logits))
     np.testing.assert_allclose(np.concatenate(outs, axis=1), ref, atol=1e-4, rtol=0)
 
