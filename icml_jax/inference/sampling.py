@@ -1,56 +1,33 @@
-"""Simple sampling by full recomputation on a fixed-size buffer (one compile, no KV cache).
+"""Text in, text out: a thin wrapper over KV-cache decoding (``icml_jax.inference.decode``).
 
-Good enough for printing samples from small models during training; KV-cache decoding lives in
-its own module.
+Used by the trainer's end-of-run samples and the quickstart notebook.
 """
-import functools
+from __future__ import annotations
+
+from typing import Sequence
 
 import jax
-import jax.numpy as jnp
-import numpy as np
+
+from icml_jax.inference import decode
 
 
-@functools.partial(jax.jit, static_argnames=("model", "max_new", "temperature"))
-def _generate(model, params, buf_BT, lengths_B, key, max_new: int, temperature: float):
-    B, T = buf_BT.shape
-    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    seg = jnp.ones((B, T), jnp.int32)
+def generate(model, params, tokenizer, prompts: Sequence[str], key: jax.Array, max_new: int = 64,
+             temperature: float = 0.8, max_len: int | None = None, *, top_k: int = 0,
+             top_p: float = 1.0) -> list[str]:
+    """Continues each prompt string; returns the decoded continuations (prompt excluded).
 
-    def body(i, carry):
-        buf, key = carry
-        logits = model.apply({"params": params}, buf, positions, seg)
-        cur = lengths_B + i - 1
-        last = jnp.take_along_axis(logits, cur[:, None, None], axis=1)[:, 0]
-        key, sub = jax.random.split(key)
-        if temperature > 0:
-            nxt = jax.random.categorical(sub, last / temperature, axis=-1)
-        else:
-            nxt = jnp.argmax(last, axis=-1)
-        buf = buf.at[jnp.arange(B), cur + 1].set(nxt.astype(buf.dtype))
-        return buf, key
-
-    buf, _ = jax.lax.fori_loop(0, max_new, body, (buf_BT, key))
-    return buf
-
-
-def generate(model, params, tokenizer, prompts, key, max_new: int = 64, temperature: float = 0.8,
-             max_len: int = None):
-    """Continues each prompt string; returns the decoded continuations (prompt excluded)."""
+    ``model`` is a ``Decoder`` (its ``cfg`` is used; train- or decode-mode alike); each prompt is
+    encoded as ``[bos] + encode(prompt)``; generation stops at the tokenizer's eos (or, for HF
+    tokenizers, any of its ``eos_ids``). ``max_len`` caps prompt + new tokens."""
     encoded = [[tokenizer.bos_id] + list(tokenizer.encode(p)) for p in prompts]
-    longest = max(len(e) for e in encoded)
-    T = longest + max_new if max_len is None else max_len
-    if longest + max_new > T:
-        raise ValueError(f"prompt ({longest} tokens) + max_new ({max_new}) exceeds the buffer ({T})")
-    buf = np.full((len(prompts), T), tokenizer.pad_id, np.int32)
-    for i, e in enumerate(encoded):
-        buf[i, :len(e)] = e
-    lengths = np.array([len(e) for e in encoded], np.int32)
-    out = np.asarray(_generate(model, params, jnp.asarray(buf), jnp.asarray(lengths), key, max_new,
-                               float(temperature)))
+    stops = tuple(getattr(tokenizer, "eos_ids", (tokenizer.eos_id,)))
+    out = decode.generate(model.cfg, params, encoded, key=key, max_new_tokens=max_new,
+                          temperature=temperature, top_k=top_k, top_p=top_p, stop_tokens=stops,
+                          pad_id=tokenizer.pad_id, max_len=max_len)
     texts = []
-    for i, e in enumerate(encoded):
-        ids = out[i, len(e):len(e) + max_new].tolist()
-        if tokenizer.eos_id in ids:
-            ids = ids[:ids.index(tokenizer.eos_id)]
+    for row, n in zip(out.tokens, out.lengths):
+        ids = row[:n].tolist()
+        if ids and ids[-1] in stops:
+            ids = ids[:-1]
         texts.append(tokenizer.decode(ids))
     return texts

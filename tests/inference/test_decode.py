@@ -1,0 +1,241 @@
+"""KV-cache decoding (icml_jax/inference/decode.py): exactness against full recomputation, left
+padding, sampling filters and statistics, stop tokens, keys, errors, HF parity."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from icml_jax.config_utils import load_config
+from icml_jax.inference import decode
+from icml_jax.inference.decode import generate, sample_logits, top_k_filter, top_p_filter
+from icml_jax.models.decoder import build_model
+
+PROMPT = [1, 40, 51, 62, 73, 84, 95]
+
+
+def _model(position="rope", scan_layers=False, window=0, seed=0, scale=4.0):
+    cfg = load_config("configs/lm.py:tiny", unlocked=True).model
+    cfg.position, cfg.scan_layers, cfg.sliding_window = position, scan_layers, window
+    params = build_model(cfg).init(jax.random.key(seed), jnp.zeros((1, 8), jnp.int32))["params"]
+    # Larger weights than init_std give peaked, well-separated logits (no argmax near-ties).
+    return cfg, jax.tree.map(lambda x: x * scale, params)
+
+
+def _reference_greedy(cfg, params, prompt, n):
+    """Greedy decoding by recomputing the full (non-cached) forward at every step, on a fixed
+    right-padded buffer (causal: later slots cannot change earlier logits; one compile)."""
+    model = build_model(cfg)
+    fwd = jax.jit(lambda p, t, i: model.apply({"params": p}, t)[0, i])
+    buf = np.zeros((1, len(prompt) + n), np.int32)
+    buf[0, :len(prompt)] = prompt
+    toks, logits = [], []
+    for i in range(n):
+        lg = np.asarray(fwd(params, jnp.asarray(buf), len(prompt) + i - 1))
+        toks.append(int(lg.argmax()))
+        logits.append(lg)
+        buf[0, len(prompt) + i] = toks[-1]
+    return np.asarray(toks), np.stack(logits)
+
+
+@pytest.mark.parametrize("position", ["rope", "nope"])
+@pytest.mark.parametrize("scan_layers", [False, True])
+@pytest.mark.parametrize("window", [0, 5])
+def test_cached_greedy_equals_full_forward(position, scan_layers, window):
+    cfg, params = _model(position, scan_layers, window)
+    n = 12  # > window: the sliding window actually drops keys
+    want, want_logits = _reference_greedy(cfg, params, PROMPT, n)
+    out = generate(cfg, params, [PROMPT], key=jax.random.key(0), max_new_tokens=n, temperature=0,
+                   return_logits=True)
+    np.testing.assert_array_equal(out.tokens[0], want)
+    assert out.lengths.tolist() == [n]
+    np.testing.assert_allclose(out.logits[0], want_logits, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("position", ["rope", "nope"])
+def test_step_logits_equal_full_forward_1e5(position):
+    cfg, params = _model(position, scale=1.0)  # init-scale weights: logits of order 1
+    n = 8
+    _, want_logits = _reference_greedy(cfg, params, PROMPT, n)
+    out = generate(cfg, params, [PROMPT], key=jax.random.key(0), max_new_tokens=n, temperature=0,
+                   return_logits=True)
+    np.testing.assert_allclose(out.logits[0], want_logits, atol=1e-5, rtol=0)
+    logp = jax.nn.log_softmax(jnp.asarray(want_logits), -1)
+    np.testing.assert_allclose(out.logprobs[0], logp[np.arange(n), out.tokens[0]], atol=1e-5)
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+@pytest.mark.parametrize("window", [0, 4])
+def test_left_padded_batch_rows_equal_alone(scan_layers, window):
+    cfg, params = _model(scan_layers=scan_layers, window=window, seed=3)
+    prompts = [[1, 7], PROMPT, [1, 20, 30, 40, 50, 60, 70, 80, 90, 100, 110, 120, 130, 140, 150,
+                                160, 170, 180]]  # 2, 7 and 18 tokens (18 -> next bucket)
+    batch = generate(cfg, params, prompts, key=jax.random.key(0), max_new_tokens=10, temperature=0)
+    for b, p in enumerate(prompts):
+        alone = generate(cfg, params, [p], key=jax.random.key(0), max_new_tokens=10, temperature=0)
+        np.testing.assert_array_equal(batch.tokens[b], alone.tokens[0], err_msg=f"row {b}")
+        np.testing.assert_allclose(batch.logprobs[b], alone.logprobs[0], atol=1e-5)
+
+
+def test_one_compile_per_bucket():
+    cfg, params = _model(seed=5)
+    kw = dict(key=jax.random.key(0), max_new_tokens=4, temperature=0)
+    generate(cfg, params, [[1, 2, 3]], **kw)
+    n = decode._generate._cache_size()
+    generate(cfg, params, [[1, 2, 3, 4, 5, 6, 7, 8, 9]], **kw)  # same bucket (16)
+    generate(cfg, params, [[1] * 16], **kw)
+    assert decode._generate._cache_size() == n
+    generate(cfg, params, [[1] * 17], **kw)  # next bucket
+    assert decode._generate._cache_size() == n + 1
+
+
+def test_top_k_one_equals_greedy():
+    cfg, params = _model(seed=1, scale=1.0)  # flat logits: plain sampling would differ
+    prompts = [PROMPT, [1, 9, 9]]
+    greedy = generate(cfg, params, prompts, key=jax.random.key(0), max_new_tokens=10, temperature=0)
+    topk = generate(cfg, params, prompts, key=jax.random.key(7), max_new_tokens=10, temperature=1.5,
+                    top_k=1)
+    np.testing.assert_array_equal(topk.tokens, greedy.tokens)
+    free = generate(cfg, params, prompts, key=jax.random.key(7), max_new_tokens=10, temperature=1.5)
+    assert (free.tokens != greedy.tokens).any()
+
+
+def test_top_p_filter_keeps_smallest_set_with_mass_p():
+    probs = np.array([0.05, 0.4, 0.1, 0.3, 0.15])  # sorted: .4 .3 .15 .1 .05
+    logits = jnp.log(jnp.asarray([probs], jnp.float32))
+    kept = lambda p: (np.asarray(top_p_filter(logits, p))[0] > -1e29).nonzero()[0].tolist()
+    assert kept(0.3) == [1]  # the top token alone already has mass 0.4 >= 0.3
+    assert kept(0.4) == [1]
+    assert kept(0.5) == [1, 3]  # .4 < .5, .4 + .3 >= .5
+    assert kept(0.7) == [1, 3]
+    assert kept(0.8) == [1, 3, 4]  # .7 < .8
+    assert kept(0.86) == [1, 2, 3, 4]
+    assert kept(1.0) == [0, 1, 2, 3, 4]
+    # kept logits are unchanged
+    np.testing.assert_array_equal(np.asarray(top_p_filter(logits, 0.5))[0, [1, 3]],
+                                  np.asarray(logits)[0, [1, 3]])
+
+
+def test_top_k_filter():
+    logits = jnp.asarray([[0.1, 3.0, -1.0, 2.0, 0.5], [5.0, 4.0, 3.0, 2.0, 1.0]], jnp.float32)
+    kept = np.asarray(top_k_filter(logits, 2)) > -1e29
+    assert kept[0].nonzero()[0].tolist() == [1, 3] and kept[1].nonzero()[0].tolist() == [0, 1]
+    assert (np.asarray(top_k_filter(logits, 5)) > -1e29).all()
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_temperature_sampling_distribution(temperature):
+    logits = jnp.asarray([1.0, 2.0, 0.0, -1.0, 1.5], jnp.float32)
+    n = 40_000
+    mode = decode.SamplerMode(greedy=False, use_top_k=False, use_top_p=False)
+    toks = sample_logits(jax.random.key(42), jnp.tile(logits, (n, 1)), mode, temperature, 0, 1.0)
+    freq = np.bincount(np.asarray(toks), minlength=5) / n
+    want = np.asarray(jax.nn.softmax(logits / temperature))
+    np.testing.assert_allclose(freq, want, atol=0.015)  # ~5 sigma at n = 40k
+
+
+def test_top_p_sampling_stays_in_nucleus():
+    logits = jnp.log(jnp.asarray([0.05, 0.4, 0.1, 0.3, 0.15], jnp.float32))
+    mode = decode.SamplerMode(greedy=False, use_top_k=False, use_top_p=True)
+    toks = np.asarray(sample_logits(jax.random.key(0), jnp.tile(logits, (20_000, 1)), mode, 1.0, 0,
+                                    0.6))
+    freq = np.bincount(toks, minlength=5) / toks.size
+    assert set(np.unique(toks).tolist()) == {1, 3}
+    np.testing.assert_allclose(freq[[1, 3]], [4 / 7, 3 / 7], atol=0.02)  # renormalised
+
+
+def test_stop_tokens_stop_the_row_and_pad_after():
+    cfg, params = _model(seed=2)
+    prompts = [PROMPT, [1, 5, 6]]
+    free = generate(cfg, params, prompts, key=jax.random.key(0), max_new_tokens=10, temperature=0)
+    stop = int(free.tokens[0, 3])
+    first = [int(np.argmax(row == stop)) if (row == stop).any() else None for row in free.tokens]
+    out = generate(cfg, params, prompts, key=jax.random.key(0), max_new_tokens=10, temperature=0,
+                   stop_tokens=(stop,), pad_id=0)
+    for b, f in enumerate(first):
+        if f is None:
+            np.testing.assert_array_equal(out.tokens[b], free.tokens[b])
+            assert out.lengths[b] == 10
+        else:
+            np.testing.assert_array_equal(out.tokens[b, :f + 1], free.tokens[b, :f + 1])
+            assert (out.tokens[b, f + 1:] == 0).all() and out.lengths[b] == f + 1
+            assert (out.logprobs[b, f + 1:] == 0).all()
+    # every row stops -> the loop ends early and the rest is pad
+    both = generate(cfg, params, [PROMPT], key=jax.random.key(0), max_new_tokens=10, temperature=0,
+                    stop_tokens=(int(free.tokens[0, 0]),), pad_id=3)
+    assert both.lengths.tolist() == [1] and (both.tokens[0, 1:] == 3).all()
+
+
+def test_same_key_same_samples_different_key_different():
+    cfg, params = _model(seed=4, scale=1.0)
+    kw = dict(max_new_tokens=16, temperature=1.0, top_p=0.95)
+    a = generate(cfg, params, [PROMPT, PROMPT], key=jax.random.key(11), **kw)
+    b = generate(cfg, params, [PROMPT, PROMPT], key=jax.random.key(11), **kw)
+    c = generate(cfg, params, [PROMPT, PROMPT], key=jax.random.key(12), **kw)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    assert (a.tokens != c.tokens).any()
+    assert (a.tokens[0] != a.tokens[1]).any()  # rows draw independently
+
+
+def test_errors():
+    cfg, params = _model()
+    kw = dict(key=jax.random.key(0), temperature=0)
+    with pytest.raises(ValueError, match="max_seq_len=128"):
+        generate(cfg, params, [[1] * 120], max_new_tokens=10, **kw)
+    with pytest.raises(ValueError, match="max_len=20"):
+        generate(cfg, params, [[1] * 15], max_new_tokens=10, max_len=20, **kw)
+    with pytest.raises(ValueError, match="empty"):
+        generate(cfg, params, [[1, 2], []], max_new_tokens=4, **kw)
+    with pytest.raises(ValueError, match="outside the model's vocab"):
+        generate(cfg, params, [[1, 999]], max_new_tokens=4, **kw)
+    with pytest.raises(ValueError, match="top_p"):
+        generate(cfg, params, [[1, 2]], max_new_tokens=4, key=jax.random.key(0), top_p=0.0)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate(cfg, params, [[1, 2]], max_new_tokens=0, **kw)
+    # exactly at the limit works (bucket shrinks to fit)
+    out = generate(cfg, params, [[1] * 120], max_new_tokens=8, **kw)
+    assert out.tokens.shape == (1, 8)
+
+
+# ----------------------------------------------------------------------------- HF parity
+
+def _hf_model(kind, tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    dims = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                initializer_range=0.2)
+    if kind == "llama":
+        m = transformers.LlamaForCausalLM(transformers.LlamaConfig(tie_word_embeddings=False, **dims))
+    elif kind == "qwen2":
+        m = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(tie_word_embeddings=True, **dims))
+        with torch.no_grad():  # HF initialises the q/k/v biases to zero; make them matter
+            for layer in m.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0.0, 0.5)
+    else:
+        m = transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=4, **dims))
+    m.eval()
+    m.save_pretrained(tmp_path)
+    return m
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
+def test_greedy_matches_transformers(kind, tmp_path):
+    import torch
+    from icml_jax.interop import load_hf
+    hf = _hf_model(kind, tmp_path)
+    cfg, params = load_hf(str(tmp_path))
+    n = 12
+    long, short = [5, 17, 33, 90, 4, 8, 61], [7, 9, 11]
+    with torch.no_grad():
+        ref1 = hf.generate(torch.tensor([short]), do_sample=False, max_new_tokens=n, pad_token_id=0)
+        ids = torch.tensor([long, [0] * 4 + short])
+        mask = torch.tensor([[1] * 7, [0] * 4 + [1] * 3])
+        ref2 = hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=n,
+                           pad_token_id=0)
+    one = generate(cfg, params, [short], key=jax.random.key(0), max_new_tokens=n, temperature=0)
+    two = generate(cfg, params, [long, short], key=jax.random.key(0), max_new_tokens=n,
+                   temperature=0)
+    np.testing.assert_array_equal(one.tokens[0], ref1[0, 3:].numpy())
+    np.testing.assert_array_equal(two.tokens, ref2[:, 7:].numpy())
