@@ -106,7 +106,24 @@ def default_mesh_and_rules(mesh: Mesh | None, rules) -> tuple[Mesh, tuple]:
         mesh = mesh_lib.make_mesh(ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1)))
     if rules is None:
         rules = mesh_lib.logical_rules(hf_config.lm_base_config().mesh)
-    return mesh, tuple(rules)
+    return mesh, tuple((name, tuple(ax) if isinstance(ax, list) else ax) for name, ax in rules)
+
+
+def _check_divisible(abstract_flat, shardings_flat, where: str) -> None:
+    """Fails before any tensor is read if a param dimension does not split evenly over the mesh."""
+    bad = []
+    for leaf, a in abstract_flat.items():
+        sh = shardings_flat[leaf]
+        for dim, axes in zip(a.shape, sh.spec):
+            axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+            n = int(np.prod([sh.mesh.shape[x] for x in axes], dtype=np.int64))
+            if dim % n:
+                bad.append(f"{'/'.join(leaf)} {tuple(a.shape)} spec {tuple(sh.spec)}")
+                break
+    if bad:
+        raise ValueError(f"{where}: param(s) {bad[:4]} do not divide evenly over mesh "
+                         f"{dict(next(iter(shardings_flat.values())).mesh.shape)}; choose mesh sizes "
+                         "that divide these dimensions or map the axis to None in the rules")
 
 
 def param_shardings(model_cfg: ml_collections.ConfigDict, mesh: Mesh, rules) -> tuple[Any, Any]:
@@ -193,6 +210,7 @@ def load_hf(path: str, *, mesh: Mesh | None = None, rules=None, dtype: str = "fl
     abstract, shardings = param_shardings(m, mesh, rules)
     abstract, shardings = _flat(abstract), _flat(shardings)
     _check_model_matches(abstract, entries, m.scan_layers, d.L, path)
+    _check_divisible(abstract, shardings, path)
 
     np_dt = _NP_DTYPES[param_dtype]
     by_leaf: dict[tuple[str, ...], list[Entry]] = {}

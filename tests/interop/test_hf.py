@@ -405,6 +405,10 @@ _SHARDED = textwrap.dedent("""
     with mesh:
         logits = jax.jit(lambda p, t: build_model(cfg).apply({"params": p}, t))(params, tokens)
     out["logits"] = np.asarray(logits).tolist()
+    try:  # 2 kv heads cannot split over tensor=4: clear error before any tensor is read
+        load_hf(path, mesh=make_mesh(ml_collections.ConfigDict(dict(data=1, fsdp=2, tensor=4))))
+    except ValueError as e:
+        out["indivisible_error"] = str(e)
     print("RESULT" + json.dumps(out))
 """)
 
@@ -430,6 +434,8 @@ def test_sharded_load_on_8_fake_devices(saved, scan):
     assert out[f"{layer}/mlp/wi"] == [lead + ["fsdp", None, "tensor"], 8,
                                       ([2] if scan else []) + [32, 2, 48]]
     np.testing.assert_allclose(np.asarray(out["logits"]), ref, atol=1e-4, rtol=0)
+    assert "do not divide evenly over mesh {'data': 1, 'fsdp': 2, 'tensor': 4}" in out["indivisible_error"]
+    assert "layer_0/attn/" in out["indivisible_error"]
 
 
 # ---------------------------------------------------------------------------------------- tokenizer
@@ -477,3 +483,4 @@ def test_tokenizer_ids_from_config_json_and_errors(tmp_path):
     assert (tok.eos_id, tok.bos_id, tok.pad_id) == (2, 2, 2)  # bos/pad fall back to eos
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         load_hf_tokenizer(str(tmp_path))
+
