@@ -168,24 +168,28 @@ def test_sharded_checkpoint_both_ways(saved, tmp_path):
     np.testing.assert_allclose(_our_logits(*load_hf(hf_sharded), _tokens()), ref, atol=1e-4, rtol=0)
 
 
-def test_bf16_checkpoint_exact(tmp_path):
-    """bf16 storage is read bit-exactly (ml_dtypes), kept as bf16 with param_dtype='auto'."""
-    model = _hf_model("llama_untied", seed=3, dtype=torch.bfloat16)
-    model.save_pretrained(str(tmp_path / "bf16"))
-    model_cfg, params = load_hf(str(tmp_path / "bf16"), param_dtype="auto")
-    assert model_cfg.param_dtype == "bfloat16"
+@pytest.mark.parametrize("tdt, ours", [(torch.bfloat16, "bfloat16"), (torch.float16, "float16")])
+def test_half_precision_checkpoint_exact(tmp_path, tdt, ours):
+    """bf16 (via ml_dtypes) / fp16 storage is read bit-exactly and kept with param_dtype='auto'."""
+    model = _hf_model("llama_untied", seed=3, dtype=tdt)
+    model.save_pretrained(str(tmp_path / "half"))
+    model_cfg, params = load_hf(str(tmp_path / "half"), param_dtype="auto")
+    assert model_cfg.param_dtype == ours
     emb = params["io"]["embedding"]
-    assert emb.dtype == jnp.bfloat16
+    assert emb.dtype == jnp.dtype(ours)
     want = model.model.embed_tokens.weight.detach().float().numpy()
     np.testing.assert_array_equal(np.asarray(emb, np.float32), want)
     q = model.model.layers[1].self_attn.q_proj.weight.detach().float().numpy()  # [H*K, D]
     np.testing.assert_array_equal(np.asarray(params["layer_1"]["attn"]["qkv"][:, 1, 0], np.float32),
                                   q[2 * 16:3 * 16].T)  # head h = g*R + r = 1*2 + 0
-    # export keeps bf16 bits
+    # export keeps the bits; a float32 load of the same checkpoint is exact too
     out = save_hf(str(tmp_path / "out"), model_cfg, params)
     back = load_file(os.path.join(out, "model.safetensors"))
-    assert back["model.embed_tokens.weight"].dtype == torch.bfloat16
+    assert back["model.embed_tokens.weight"].dtype == tdt
     assert torch.equal(back["model.embed_tokens.weight"], model.model.embed_tokens.weight)
+    _, p32 = load_hf(str(tmp_path / "half"))
+    assert p32["io"]["embedding"].dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(p32["io"]["embedding"]), want)
 
 
 def test_decode_mode_matches_hf_with_sliding_window(saved):
