@@ -1,0 +1,1 @@
+"""Throughput / memory benchmarks; each writes a JSON + Markdown report under benchmarks/results/."""

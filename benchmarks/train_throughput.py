@@ -1,0 +1,431 @@
+"""Training throughput of our jitted train step vs. the same-size PyTorch ``LlamaForCausalLM``.
+
+Run (``make bench``):
+  python -m benchmarks.train_throughput [--presets=small,20m] [--steps=5] [--skip_default_flags]
+
+What it measures, on this machine, in one run:
+  * ``matmul``: the dense fp32 GEMM GFLOP/s jax and torch reach (2048^3 and the model's own
+    shapes); the best of all is the "peak" that MFU is measured against.
+  * ``ours``: tokens/s of the trainer's step (``make_train_step`` + ``create_sharded_state`` +
+    ``LMTask.loss`` + the config's AdamW, donated state) on a synthetic batch, with the XLA CPU
+    flags in ``RECOMMENDED_XLA_FLAGS`` and, for comparison, with jax's default flags.
+  * ``torch``: ``transformers.LlamaForCausalLM`` of the same dimensions (fp32, tied embeddings,
+    same rope theta) trained with ``torch.optim.AdamW`` + grad clipping on the same tokens,
+    ``torch.set_num_threads(cores)``, attention ``sdpa`` and ``eager``.
+Model FLOPs use ``icml_jax.analysis.flops.train_flops_per_token`` (MaxText's convention: 6 x
+matmul params per token + causal attention counted as half), for both frameworks.
+
+Each measurement runs in its own child process (XLA flags are per process, and peak RSS must not
+mix frameworks); a child warms up (compiles) first and then times ``--steps`` steps, each ended by
+``block_until_ready`` (jax) or a synchronous torch step. Step time = the minimum over the timed
+steps (the machine may be shared; the median is reported too, with the load average).
+Peak memory: ``ru_maxrss`` growth of the child from just before the model is built to after the
+last step (params + optimizer state + activations + allocator slack; for jax also the XLA
+compiler's own memory), and for jax XLA's static ``memory_analysis`` of the compiled step
+(arguments + outputs - aliased + temporaries).
+The benchmark only reports; it asserts no targets. Results: benchmarks/results/train_throughput.{json,md}.
+"""
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+# XLA CPU flags that this benchmark found faster for training on CPU (see the report): without
+# them jax 0.10.2 routes dots through YNNPACK fusions, which ran on one thread in our step
+# (wall time == CPU time) and made the step ~1.9x slower on 2 cores. Disabling the YNN fusion
+# types sends dots to XLA's multi-threaded Eigen runtime.
+RECOMMENDED_XLA_FLAGS = "--xla_cpu_experimental_ynn_fusion_type="
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+MATMUL_SHAPES = ((2048, 2048, 2048), (4096, 256, 704), (4096, 512, 1408), (4096, 1408, 512),
+                 (4096, 512, 512))
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def _maxrss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _time_steps(step, n: int) -> list:
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _timing(times: list, tokens_per_step: int, flops_per_token: float) -> dict:
+    best = min(times)
+    return {"step_s_min": best, "step_s_median": sorted(times)[len(times) // 2], "step_s_all": times,
+            "tokens_per_step": tokens_per_step, "tokens_per_s": tokens_per_step / best,
+            "model_tflops_per_s": tokens_per_step / best * flops_per_token / 1e12}
+
+
+def _preset_config(preset: str):
+    from configs.lm import get_config
+    return get_config(preset)
+
+
+def _synthetic_tokens(batch: int, seq_len: int, vocab: int, seed: int = 0):
+    import numpy as np
+    return np.random.default_rng(seed).integers(0, min(vocab, 256), (batch, seq_len + 1)).astype("int32")
+
+
+# ----------------------------------------------------------------------------- children
+
+def child_matmul_jax(spec: dict) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    out = {}
+    for m, k, n in MATMUL_SHAPES:
+        a = jnp.asarray(np.random.default_rng(0).standard_normal((m, k), np.float32))
+        b = jnp.asarray(np.random.default_rng(1).standard_normal((k, n), np.float32))
+        f = jax.jit(jnp.matmul)
+        f(a, b).block_until_ready()
+        times = _time_steps(lambda: f(a, b).block_until_ready(), spec["reps"])
+        out[f"{m}x{k}x{n}"] = 2 * m * k * n / min(times) / 1e9
+    return {"gflops": out, "jax_version": jax.__version__}
+
+
+def child_matmul_torch(spec: dict) -> dict:
+    import torch
+    torch.set_num_threads(spec["threads"])
+    out = {}
+    for m, k, n in MATMUL_SHAPES:
+        g = torch.Generator().manual_seed(0)
+        a, b = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)
+        torch.matmul(a, b)
+        times = _time_steps(lambda: torch.matmul(a, b), spec["reps"])
+        out[f"{m}x{k}x{n}"] = 2 * m * k * n / min(times) / 1e9
+    return {"gflops": out, "torch_version": torch.__version__, "threads": torch.get_num_threads()}
+
+
+def _lm_task(config):
+    """The trainer's LMTask; built without a tokenizer if the data layer is not importable."""
+    try:
+        from icml_jax.tasks.lm import LMTask
+        return LMTask(config), True
+    except ImportError:  # the data layer is optional for a synthetic benchmark
+        import importlib
+        from icml_jax.models import build_model
+        lm = importlib.import_module("icml_jax.tasks.lm")
+        task = lm.LMTask.__new__(lm.LMTask)
+        task.config, task.model = config, build_model(config.model)
+        return task, False
+
+
+def child_ours(spec: dict) -> dict:
+    import warnings
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    from icml_jax.analysis.flops import param_count, train_flops_per_token
+    from icml_jax.train import mesh as mesh_lib
+    from icml_jax.train.optimizer import make_optimizer
+    from icml_jax.train.trainer import create_sharded_state, make_train_step
+    warnings.filterwarnings("ignore", category=DeprecationWarning)  # `with mesh:` as the trainer does
+
+    config = _preset_config(spec["preset"])
+    B, T = spec["batch"], config.data.seq_len
+    toks = _synthetic_tokens(B, T, config.model.vocab_size)
+    batch = {"inputs": jnp.asarray(toks[:, :-1]), "targets": jnp.asarray(toks[:, 1:]),
+             "segment_ids": jnp.ones((B, T), jnp.int32),
+             "positions": jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))}
+    rss0 = _maxrss_bytes()
+    task, with_tokenizer = _lm_task(config)
+    mesh, rules = mesh_lib.make_mesh(config.mesh), mesh_lib.logical_rules(config.mesh)
+    tx = make_optimizer(config.train)
+    state, shardings = create_sharded_state(task, tx, config, mesh, rules)
+    batch_sharding = mesh_lib.batch_sharding(mesh)
+    batch = jax.device_put(batch, batch_sharding)
+    with mesh, nn.logical_axis_rules(rules):  # exactly as train_and_evaluate builds its step
+        step = jax.jit(make_train_step(task, tx, 1), in_shardings=(shardings, batch_sharding),
+                       out_shardings=(shardings, None), donate_argnums=0)
+    t0 = time.perf_counter()
+    compiled = step.lower(state, batch).compile()
+    compile_s = time.perf_counter() - t0
+    mem = compiled.memory_analysis()
+    box = {"state": state}
+
+    def run():
+        box["state"], box["metrics"] = compiled(box["state"], batch)
+        jax.block_until_ready((box["state"], box["metrics"]))
+
+    run()  # warm-up step (allocations, thread pools)
+    times = _time_steps(run, spec["steps"])
+    n_params = sum(x.size for x in jax.tree.leaves(box["state"].params))
+    out = _timing(times, B * T, train_flops_per_token(config.model, T))
+    out.update(compile_s=compile_s, params=int(n_params), params_formula=param_count(config.model),
+               loss=float(box["metrics"]["loss"]), rss_growth_bytes=_maxrss_bytes() - rss0,
+               with_tokenizer=with_tokenizer, jax_version=jax.__version__,
+               xla_flags=os.environ.get("XLA_FLAGS", ""))
+    if mem is not None:
+        out["xla_step_bytes"] = int(mem.argument_size_in_bytes + mem.output_size_in_bytes
+                                    - mem.alias_size_in_bytes + mem.temp_size_in_bytes)
+        out["xla_temp_bytes"] = int(mem.temp_size_in_bytes)
+    return out
+
+
+def _torch_llama(model_cfg, attn: str):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    m = model_cfg
+    hf = LlamaConfig(vocab_size=m.vocab_size, hidden_size=m.d_model, intermediate_size=m.ffn_dim,
+                     num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads,
+                     num_key_value_heads=m.num_kv_heads, head_dim=m.head_dim,
+                     max_position_embeddings=m.max_seq_len, rms_norm_eps=m.norm_eps,
+                     rope_theta=m.rope_theta, tie_word_embeddings=m.tie_embeddings,
+                     attention_bias=False, mlp_bias=False, hidden_act="silu",
+                     initializer_range=m.init_std)
+    torch.manual_seed(0)
+    return LlamaForCausalLM._from_config(hf, attn_implementation=attn, dtype=torch.float32)
+
+
+def child_torch(spec: dict) -> dict:
+    import torch
+    import transformers
+    from icml_jax.analysis.flops import train_flops_per_token
+    torch.set_num_threads(spec["threads"])
+    config = _preset_config(spec["preset"])
+    B, T, t = spec["batch"], config.data.seq_len, config.train
+    toks = torch.from_numpy(_synthetic_tokens(B, T, config.model.vocab_size)).long()
+    inputs, targets = toks[:, :-1], toks[:, 1:]
+    rss0 = _maxrss_bytes()
+    model = _torch_llama(config.model, spec["attn"])
+    model.train()
+    params = list(model.parameters())
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": t.weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=t.lr, betas=(t.b1, t.b2), eps=t.eps)
+    box = {}
+
+    def run():
+        logits = model(input_ids=inputs).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                                                 targets.reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, t.clip_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        box["loss"] = float(loss.detach())
+
+    run()
+    run()
+    times = _time_steps(run, spec["steps"])
+    out = _timing(times, B * T, train_flops_per_token(config.model, T))
+    out.update(params=int(sum(p.numel() for p in params)), loss=box["loss"],
+               rss_growth_bytes=_maxrss_bytes() - rss0, torch_version=torch.__version__,
+               transformers_version=transformers.__version__, threads=torch.get_num_threads())
+    return out
+
+
+CHILDREN = {"matmul_jax": child_matmul_jax, "matmul_torch": child_matmul_torch, "ours": child_ours,
+            "torch": child_torch}
+
+
+def run_child(spec: dict, xla_flags: str | None = None, timeout: float = 600.0) -> dict:
+    """Runs one measurement in a fresh interpreter; returns its result dict (or an error)."""
+    env = dict(os.environ)
+    if xla_flags is not None:
+        env["XLA_FLAGS"] = xla_flags
+    cmd = [sys.executable, "-m", "benchmarks.train_throughput", "--child", json.dumps(spec)]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f}s", "spec": spec}
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        return {"error": (proc.stderr or proc.stdout)[-2000:], "spec": spec}
+    out = json.loads(lines[-1][len("RESULT "):])
+    out.update(spec=spec, wall_s=time.perf_counter() - t0)
+    return out
+
+
+# ----------------------------------------------------------------------------- report
+
+def machine_info() -> dict:
+    model = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {"cpu": model, "cores": len(os.sched_getaffinity(0)), "ram_gib": round(mem / 2**30, 1),
+            "platform": platform.platform(), "python": platform.python_version()}
+
+
+def _fmt_mb(x):
+    return "n/a" if x is None else f"{x / 2**20:,.0f} MiB"
+
+
+def summarize(res: dict) -> dict:
+    """Adds peaks, ratios and MFU to the raw results."""
+    peaks = {fw: max(res["matmul"][fw]["gflops"].values()) for fw in ("jax", "torch")
+             if "gflops" in res["matmul"].get(fw, {})}
+    res["matmul_peak_gflops"] = max(peaks.values()) if peaks else None
+    res["matmul_peak_by_framework"] = peaks
+    for preset, row in res["presets"].items():
+        ours, ref = row.get("ours", {}), row.get("torch_sdpa", {})
+        if "tokens_per_s" in ours and "tokens_per_s" in ref:
+            row["ratio_ours_over_torch_sdpa"] = ours["tokens_per_s"] / ref["tokens_per_s"]
+        for key, r in row.items():
+            if isinstance(r, dict) and "model_tflops_per_s" in r and res["matmul_peak_gflops"]:
+                r["mfu_vs_measured_peak"] = r["model_tflops_per_s"] * 1e3 / res["matmul_peak_gflops"]
+    return res
+
+
+def markdown(res: dict) -> str:
+    m, peak = res["machine"], res["matmul_peak_gflops"]
+    lines = [
+        "# Train-step throughput: icml_jax vs PyTorch `LlamaForCausalLM`", "",
+        f"Date: {res['date']} · machine: {m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB RAM · "
+        f"jax {res['versions'].get('jax')} · torch {res['versions'].get('torch')} · "
+        f"transformers {res['versions'].get('transformers')} · load average at start/end "
+        f"{res['loadavg_start']} / {res['loadavg_end']} · run time {res['runtime_s']:.0f} s", "",
+        f"Command: `python -m benchmarks.train_throughput {' '.join(res['argv'])}`", "",
+        f"Our XLA flags: `{res['xla_flags'] or '(none)'}`. FLOPs: MaxText convention "
+        "(`icml_jax.analysis.flops.train_flops_per_token`: 6 × matmul params per token + causal "
+        "attention counted as half; norms/softmax/optimizer not counted), the same count for both "
+        f"frameworks. MFU = model FLOP/s ÷ best measured fp32 matmul ({peak:,.0f} GFLOP/s).", "",
+        "| preset | params | batch×seq | ours tok/s | torch sdpa tok/s | ours/torch | ours TFLOP/s | "
+        "ours MFU | torch TFLOP/s | torch MFU | ours peak mem (XLA step / RSS growth) | "
+        "torch peak mem (RSS growth) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for preset, row in res["presets"].items():
+        o, t = row.get("ours", {}), row.get("torch_sdpa", {})
+        if "tokens_per_s" not in o:
+            lines.append(f"| {preset} | error: {str(o.get('error', t.get('error')))[:80]} |")
+            continue
+        tt = t.get("tokens_per_s")
+        lines.append(
+            f"| {preset} | {o['params'] / 1e6:.2f}M | {row['batch']}×{row['seq_len']} | "
+            f"{o['tokens_per_s']:,.0f} | {tt and f'{tt:,.0f}'} | "
+            f"{row.get('ratio_ours_over_torch_sdpa', float('nan')):.2f}× | "
+            f"{o['model_tflops_per_s']:.3f} | {o.get('mfu_vs_measured_peak', 0):.0%} | "
+            f"{t.get('model_tflops_per_s', float('nan')):.3f} | {t.get('mfu_vs_measured_peak', 0):.0%} | "
+            f"{_fmt_mb(o.get('xla_step_bytes'))} / {_fmt_mb(o.get('rss_growth_bytes'))} | "
+            f"{_fmt_mb(t.get('rss_growth_bytes'))} |")
+    lines += ["", "Other variants (tokens/s, step time min / median):", "",
+              "| preset | variant | tok/s | step min | step median | TFLOP/s | MFU |",
+              "|---|---|---|---|---|---|---|"]
+    for preset, row in res["presets"].items():
+        for key, r in row.items():
+            if isinstance(r, dict) and "tokens_per_s" in r:
+                lines.append(f"| {preset} | {key} | {r['tokens_per_s']:,.0f} | {r['step_s_min'] * 1e3:,.0f} ms"
+                             f" | {r['step_s_median'] * 1e3:,.0f} ms | {r['model_tflops_per_s']:.3f} | "
+                             f"{r.get('mfu_vs_measured_peak', 0):.0%} |")
+            elif isinstance(r, dict) and "error" in r:
+                lines.append(f"| {preset} | {key} | error | {str(r['error'])[-120:]!r} | | | |")
+    lines += ["", "Dense fp32 matmul (GFLOP/s, best of the repetitions; M×K×N):", "",
+              "| shape | jax | torch |", "|---|---|---|"]
+    jg, tg = res["matmul"].get("jax", {}).get("gflops", {}), res["matmul"].get("torch", {}).get("gflops", {})
+    for shape in jg.keys() | tg.keys():
+        lines.append(f"| {shape} | {jg.get(shape, float('nan')):,.0f} | {tg.get(shape, float('nan')):,.0f} |")
+    lines += ["", "Notes: step time is the minimum over the timed steps after a warm-up step "
+              "(the machine may be shared, see the load average; the median is in the JSON). "
+              "Peak memory: XLA step = `compiled.memory_analysis()` arguments + outputs − aliased + "
+              "temporaries; RSS growth = `ru_maxrss` of the child process from before the model "
+              "is built to after the last step (for jax this includes the XLA compiler). "
+              "`ours_default_flags` = the same step under jax's default XLA flags. Torch: "
+              "`LlamaForCausalLM` fp32, AdamW (decay on matrices only, like ours) + grad-norm clip, "
+              "cross-entropy on the same tokens/targets, `torch.set_num_threads(cores)`.", ""]
+    return "\n".join(lines)
+
+
+def write_atomic(path: str, text: str) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=os.path.basename(path), suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------- driver
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--presets", default="small,20m")
+    p.add_argument("--batch", default="small=16,20m=8",
+                   help="rows per step per preset (preset's own batch_size when not listed)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per measurement")
+    p.add_argument("--matmul_reps", type=int, default=8)
+    p.add_argument("--xla_flags", default=RECOMMENDED_XLA_FLAGS, help="XLA_FLAGS for our step")
+    p.add_argument("--skip_default_flags", action="store_true",
+                   help="do not also time our step under jax's default XLA flags")
+    p.add_argument("--skip_eager", action="store_true", help="do not time torch eager attention")
+    p.add_argument("--skip_torch", action="store_true")
+    p.add_argument("--out", default=RESULTS_DIR)
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.child:
+        spec = json.loads(args.child)
+        print("RESULT " + json.dumps(CHILDREN[spec["kind"]](spec)), flush=True)
+        return {}
+    t_start, threads = time.time(), len(os.sched_getaffinity(0))
+    base_flags = os.environ.get("XLA_FLAGS", "")
+    ours_flags = " ".join(x for x in (base_flags, args.xla_flags) if x)
+    batches = dict(kv.split("=") for kv in args.batch.split(",") if kv)
+    log = lambda msg: print(f"[{time.time() - t_start:6.1f}s] {msg}", flush=True)  # noqa: E731
+
+    res = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+           "argv": argv, "machine": machine_info(), "loadavg_start": os.getloadavg(),
+           "xla_flags": ours_flags, "flop_convention": "MaxText: 6*matmul_params + causal attention/2",
+           "matmul": {}, "presets": {}, "versions": {}}
+    res["matmul"]["jax"] = run_child({"kind": "matmul_jax", "reps": args.matmul_reps}, ours_flags)
+    log(f"jax matmul: {res['matmul']['jax'].get('gflops', res['matmul']['jax'])}")
+    if not args.skip_torch:
+        res["matmul"]["torch"] = run_child({"kind": "matmul_torch", "reps": args.matmul_reps,
+                                            "threads": threads})
+        log(f"torch matmul: {res['matmul']['torch'].get('gflops', res['matmul']['torch'])}")
+    for preset in [p for p in args.presets.split(",") if p]:
+        config = _preset_config(preset)
+        B = int(batches.get(preset, config.train.batch_size))
+        row = res["presets"][preset] = {"batch": B, "seq_len": config.data.seq_len}
+        common = {"preset": preset, "batch": B, "steps": args.steps}
+        runs = [("ours", {"kind": "ours", **common}, ours_flags)]
+        if not args.skip_torch:
+            runs.append(("torch_sdpa", {"kind": "torch", "attn": "sdpa", "threads": threads, **common}, None))
+        if not args.skip_default_flags:
+            runs.append(("ours_default_flags", {"kind": "ours", **common}, base_flags))
+        if not args.skip_torch and not args.skip_eager:
+            runs.append(("torch_eager", {"kind": "torch", "attn": "eager", "threads": threads,
+                                         **common, "steps": max(2, args.steps // 2)}, None))
+        for name, spec, flags in runs:
+            row[name] = run_child(spec, flags)
+            r = row[name]
+            log(f"{preset} {name}: " + (f"{r['tokens_per_s']:,.0f} tok/s, step {r['step_s_min']:.3f}s "
+                                        f"(median {r['step_s_median']:.3f}s)" if "tokens_per_s" in r
+                                        else f"ERROR {r.get('error')}"))
+    for r in [v for row in res["presets"].values() for v in row.values() if isinstance(v, dict)]:
+        for k in ("jax", "torch", "transformers"):
+            if f"{k}_version" in r:
+                res["versions"][k] = r[f"{k}_version"]
+    res["loadavg_end"] = os.getloadavg()
+    res["runtime_s"] = time.time() - t_start
+    summarize(res)
+    write_atomic(os.path.join(args.out, "train_throughput.json"), json.dumps(res, indent=2) + "\n")
+    md = markdown(res)
+    write_atomic(os.path.join(args.out, "train_throughput.md"), md)
+    print(md)
+    return res
+
+
+if __name__ == "__main__":
+    main()
