@@ -27,6 +27,7 @@ $(FULL_STAMP): $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m icml_jax.main --config=configs/lm.py:$(PRESET) --workdir=$(WORKDIR)
+	$(PY) -m icml_jax.sample --checkpoint=$(WORKDIR) --prompt="ROMEO." --max_new_tokens=200
 
 test: $(FULL_STAMP)
 	$(PY) -m pytest -n 2 --durations=15 tests $(PYTEST_ARGS)

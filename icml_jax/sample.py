@@ -1,0 +1,163 @@
+"""Print continuations of prompts from a trained workdir or an HF model folder (KV-cache decoding).
+
+    python -m icml_jax.sample --checkpoint=runs/demo --prompt="ROMEO." --max_new_tokens=200
+    python -m icml_jax.sample --hf=path/to/hf_folder --prompt="Hello" --prompt="Once" \
+        --temperature=0.7 --top_p=0.9 --num_samples=2
+
+``--checkpoint`` reads WORKDIR/config.json (written by the trainer) and restores only the params of
+the newest readable step under WORKDIR/checkpoints (an unreadable step is skipped with a warning;
+nothing is moved or deleted). ``--hf`` loads the weights with ``icml_jax.interop.load_hf`` and the
+tokenizer from the folder's ``tokenizer.json``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import flax.linen as nn
+import jax
+import ml_collections
+from absl import app, flags, logging
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("checkpoint", None, "a training workdir (with config.json and checkpoints/)")
+flags.DEFINE_string("hf", None, "an HF model folder (config.json, model.safetensors, tokenizer.json)")
+flags.DEFINE_multi_string("prompt", None, "prompt text; repeat the flag for several prompts")
+flags.DEFINE_integer("max_new_tokens", 200, "tokens to generate per sample at most")
+flags.DEFINE_float("temperature", 0.8, "sampling temperature; 0 = greedy")
+flags.DEFINE_integer("top_k", 0, "keep only the k most likely tokens (0 = off)")
+flags.DEFINE_float("top_p", 1.0, "nucleus sampling mass (1 = off)")
+flags.DEFINE_integer("seed", 0, "random seed")
+flags.DEFINE_integer("num_samples", 1, "samples per prompt")
+
+
+class SampleError(RuntimeError):
+    """A problem with the inputs, reported as one line without a traceback."""
+
+
+def latest_params(workdir: str, model_cfg: ml_collections.ConfigDict):
+    """Params of the newest readable checkpoint step in WORKDIR/checkpoints -> (params, step)."""
+    import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
+    from icml_jax.models.decoder import build_model  # pylint: disable=g-import-not-at-top
+
+    directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
+    if not os.path.isdir(directory):
+        raise SampleError(f"{workdir}: no checkpoints/ folder; train first with "
+                          f"`python -m icml_jax.main --config=configs/lm.py:tiny --workdir={workdir}`")
+    manager = ocp.CheckpointManager(
+        directory, options=ocp.CheckpointManagerOptions(read_only=True, create=False),
+        item_handlers={"state": ocp.PyTreeCheckpointHandler()})
+    steps = sorted(manager.all_steps())
+    if not steps:
+        raise SampleError(f"{directory} holds no finished checkpoint step; train longer (steps >= "
+                          "config.train.checkpoint_every, or to the end of the run)")
+    tokens = jax.numpy.zeros((1, 8), jax.numpy.int32)
+    abstract = nn.meta.unbox(jax.eval_shape(
+        lambda: build_model(model_cfg).init(jax.random.key(0), tokens))["params"])
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
+                            abstract)
+    errors = []
+    for step in reversed(steps):
+        try:
+            target = {"params": abstract}
+            restored = manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(target, partial_restore=True,
+                                             restore_args=ocp.checkpoint_utils.construct_restore_args(
+                                                 target))))
+            return restored["state"]["params"], step
+        except Exception as e:  # noqa: BLE001 - any read/parse failure: try the previous step
+            errors.append(f"step {step}: {type(e).__name__}: {str(e)[:300]}")
+            print(f"WARNING: checkpoint {directory}/{step} could not be restored "
+                  f"({type(e).__name__}: {str(e)[:300]}); trying the previous step", file=sys.stderr)
+    raise SampleError(f"none of the checkpoints {steps} in {directory} could be restored:\n  "
+                      + "\n  ".join(errors))
+
+
+def load_workdir(workdir: str):
+    """(model_cfg, params, tokenizer, description) from a training workdir."""
+    from icml_jax.data.tokenizers import build_tokenizer  # pylint: disable=g-import-not-at-top
+
+    if not os.path.isdir(workdir):
+        raise SampleError(f"--checkpoint={workdir}: no such folder")
+    cfg_path = os.path.join(workdir, "config.json")
+    if not os.path.exists(cfg_path):
+        raise SampleError(f"{workdir}: no config.json; is this a training workdir? (the trainer "
+                          "writes config.json and checkpoints/ there)")
+    with open(cfg_path) as f:
+        config = ml_collections.ConfigDict(json.load(f))
+    model_cfg = config.model
+    params, step = latest_params(workdir, model_cfg)
+    tokenizer = build_tokenizer(config.data.tokenizer)
+    if tokenizer.vocab_size > model_cfg.vocab_size:
+        raise SampleError(f"tokenizer vocab {tokenizer.vocab_size} > model vocab {model_cfg.vocab_size}")
+    return model_cfg, params, tokenizer, f"{workdir} step {step}"
+
+
+def load_hf_folder(path: str):
+    try:
+        from icml_jax.interop import load_hf, load_hf_tokenizer  # pylint: disable=g-import-not-at-top
+    except ImportError as e:
+        raise SampleError(f"--hf is not available: icml_jax.interop could not be imported ({e})") from e
+    if not os.path.isdir(path):
+        raise SampleError(f"--hf={path}: no such folder")
+    model_cfg, params = load_hf(path)
+    return model_cfg, params, load_hf_tokenizer(path), path
+
+
+def run(argv_flags) -> list[str]:
+    """Loads the model, prints and returns one continuation per (prompt, sample)."""
+    from icml_jax.inference import decode  # pylint: disable=g-import-not-at-top
+
+    f = argv_flags
+    if bool(f.checkpoint) == bool(f.hf):
+        raise SampleError("pass exactly one of --checkpoint=WORKDIR or --hf=PATH")
+    if not f.prompt:
+        raise SampleError('pass at least one --prompt="..."')
+    if f.num_samples < 1:
+        raise SampleError(f"--num_samples={f.num_samples} must be >= 1")
+    model_cfg, params, tok, where = (load_workdir(f.checkpoint) if f.checkpoint
+                                     else load_hf_folder(f.hf))
+    encoded = [[tok.bos_id] + list(tok.encode(p)) for p in f.prompt]
+    for p, e in zip(f.prompt, encoded):
+        if len(e) + f.max_new_tokens > model_cfg.max_seq_len:
+            raise SampleError(
+                f"prompt {p[:40]!r}... is {len(e)} tokens; with --max_new_tokens={f.max_new_tokens} "
+                f"that exceeds the model's max_seq_len={model_cfg.max_seq_len}; shorten the prompt or "
+                "lower --max_new_tokens")
+    stops = tuple(getattr(tok, "eos_ids", (tok.eos_id,)))
+    rows = [e for e in encoded for _ in range(f.num_samples)]
+    try:
+        out = decode.generate(model_cfg, params, rows, key=jax.random.key(f.seed),
+                              max_new_tokens=f.max_new_tokens, temperature=f.temperature,
+                              top_k=f.top_k, top_p=f.top_p, stop_tokens=stops, pad_id=tok.pad_id)
+    except ValueError as e:
+        raise SampleError(str(e)) from e
+    print(f"# {where}: {len(rows)} sample(s), temperature={f.temperature} top_k={f.top_k} "
+          f"top_p={f.top_p} seed={f.seed}")
+    texts = []
+    for i, (row, n) in enumerate(zip(out.tokens, out.lengths)):
+        ids = row[:n].tolist()
+        if ids and ids[-1] in stops:
+            ids = ids[:-1]
+        text = f.prompt[i // f.num_samples] + tok.decode(ids)
+        texts.append(text)
+        print(f"--- sample {i % f.num_samples + 1} of prompt {i // f.num_samples + 1} ---\n{text}")
+    return texts
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    logging.set_verbosity(logging.ERROR)  # orbax logs restores at INFO/WARNING
+    try:
+        run(FLAGS)
+    except (SampleError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    app.run(main)

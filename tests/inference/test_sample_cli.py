@@ -1,0 +1,85 @@
+"""``python -m icml_jax.sample``: restores a trainer-style workdir and prints continuations."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+
+from icml_jax.config_utils import REPO_ROOT, load_config
+from icml_jax.models.decoder import build_model
+from icml_jax.train import checkpoint as ckpt_lib
+from icml_jax.train.optimizer import make_optimizer
+from icml_jax.train.trainer import TrainState, _config_dict
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "icml_jax.sample", *args], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """A workdir laid out as the trainer writes it: config.json + orbax steps 1 and 2."""
+    wd = tmp_path_factory.mktemp("run")
+    config = load_config("configs/lm.py:tiny", unlocked=True)
+    with open(wd / "config.json", "w") as f:
+        json.dump(_config_dict(config), f, indent=2)
+    tx = make_optimizer(config.train)
+    ckpt = ckpt_lib.Checkpointer(str(wd / "checkpoints"), async_save=False)
+    for step in (1, 2):
+        params = nn.meta.unbox(build_model(config.model).init(
+            jax.random.key(step), jnp.zeros((1, 8), jnp.int32))["params"])  # as the trainer stores them
+        state = TrainState(jnp.asarray(step, jnp.int32), params, tx.init(params),
+                           jax.random.key_data(jax.random.key(0)))
+        ckpt.save(step, state, None, _config_dict(config))
+    ckpt.close()
+    return wd
+
+
+def test_cli_prints_continuations(workdir):
+    r = _cli(f"--checkpoint={workdir}", "--prompt=ROMEO.", "--prompt=To be", "--max_new_tokens=20",
+             "--num_samples=2", "--seed=3")
+    assert r.returncode == 0, r.stderr
+    assert "step 2" in r.stdout
+    assert r.stdout.count("--- sample") == 4
+    assert "ROMEO." in r.stdout and "To be" in r.stdout
+
+
+def test_cli_greedy_is_deterministic(workdir):
+    a = _cli(f"--checkpoint={workdir}", "--prompt=KING", "--max_new_tokens=12", "--temperature=0")
+    b = _cli(f"--checkpoint={workdir}", "--prompt=KING", "--max_new_tokens=12", "--temperature=0",
+             "--seed=9")
+    assert a.returncode == 0, a.stderr
+    assert a.stdout == b.stdout.replace("seed=9", "seed=0")
+
+
+def test_cli_falls_back_to_previous_step(workdir, tmp_path):
+    wd = tmp_path / "copy"
+    shutil.copytree(workdir, wd)
+    for root, _, files in os.walk(wd / "checkpoints" / "2" / "state"):
+        for name in files:  # corrupt every file of the latest step's state
+            with open(os.path.join(root, name), "wb") as f:
+                f.write(b"garbage")
+    r = _cli(f"--checkpoint={wd}", "--prompt=ROMEO.", "--max_new_tokens=8")
+    assert r.returncode == 0, r.stderr
+    assert "WARNING" in r.stderr and "step 1" in r.stdout
+
+
+def test_cli_errors(workdir, tmp_path):
+    r = _cli(f"--checkpoint={tmp_path / 'nope'}", "--prompt=x")
+    assert r.returncode == 1 and "no such folder" in r.stderr
+    (tmp_path / "empty").mkdir()
+    r = _cli(f"--checkpoint={tmp_path / 'empty'}", "--prompt=x")
+    assert r.returncode == 1 and "no config.json" in r.stderr
+    shutil.copy(workdir / "config.json", tmp_path / "empty" / "config.json")
+    r = _cli(f"--checkpoint={tmp_path / 'empty'}", "--prompt=x")
+    assert r.returncode == 1 and "no checkpoints/" in r.stderr
+    r = _cli(f"--checkpoint={workdir}", "--prompt=" + "a" * 120, "--max_new_tokens=20")
+    assert r.returncode == 1 and "max_seq_len=128" in r.stderr and "Traceback" not in r.stderr
+    r = _cli("--prompt=x")
+    assert r.returncode == 1 and "exactly one of" in r.stderr
