@@ -27,7 +27,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.norm_eps = 1e-5
     c.model.tie_embeddings = True
     c.model.init_std = 0.02
-    c.model.position = "rope"  # registry: icml_jax.models.positions
+    c.model.position = "rope"  # registry: icml_jax.models.positions (rope|fope|alibi|nope)
     c.model.rope_theta = 10000.0
     c.model.rope_scaling = ml_collections.ConfigDict()
     c.model.rope_scaling.type = "none"  # none | linear | llama3 (HF rope_type semantics)
@@ -35,6 +35,17 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.rope_scaling.low_freq_factor = 1.0  # llama3 only
     c.model.rope_scaling.high_freq_factor = 4.0  # llama3 only
     c.model.rope_scaling.original_max_position = 8192  # llama3 only
+    # Floor clipping (FoPE, and optionally RoPE): frequencies w < rope_floor_ratio * 2*pi / L are
+    # dropped, L = train_seq_len (0 = max_seq_len; set it when max_seq_len allows longer evals).
+    c.model.train_seq_len = 0
+    c.model.rope_floor_clip = False  # rope only: zero the clipped frequencies (fope always clips)
+    c.model.rope_floor_ratio = 1.0
+    c.model.fope = ml_collections.ConfigDict()  # position="fope" only; see specs/fope.md
+    c.model.fope.init_gain = 0.3  # g of the eye + xavier-normal init
+    c.model.fope.init_std = "xavier"  # xavier: g*sqrt(2/(D_out*(D_in+G))) (reference) | gain: g
+    c.model.fope.learnable = False  # reference default: fixed coefficients
+    c.model.fope.pad_sin_value = 1.0  # reference pads sin with 1; 0 = position-free channels
+    c.model.fope.dout_divisor = 4  # D_out = min(D_in, head_dim // dout_divisor)
     c.model.qkv_bias = False  # Qwen2-style biases on the q/k/v projections
     c.model.sliding_window = 0  # 0 = off; else a key is visible only if q_pos - k_pos < window
     c.model.mlp = ml_collections.ConfigDict()

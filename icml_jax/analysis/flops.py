@@ -15,7 +15,8 @@ def param_count(m: ml_collections.ConfigDict) -> int:
     mlp = 3 * D * F
     norms = 2 * D
     io = V * D + D + (0 if m.tie_embeddings else D * V)
-    return L * (attn + mlp + norms) + io
+    from icml_jax.models.positions import position_param_count  # FoPE coefficients
+    return L * (attn + mlp + norms + position_param_count(m)) + io
 
 
 def matmul_params(m: ml_collections.ConfigDict) -> int:

@@ -16,9 +16,14 @@ def _decay_mask(params):
     return jax.tree.map(lambda p: p.ndim >= 2, params)
 
 
-def make_optimizer(t: ml_collections.ConfigDict) -> optax.GradientTransformation:
-    return optax.chain(
+def make_optimizer(t: ml_collections.ConfigDict, frozen_mask=None) -> optax.GradientTransformation:
+    """``frozen_mask(params) -> pytree of bools``: leaves that must never change (no update, no
+    weight decay), e.g. fixed FoPE coefficients (``icml_jax.models.positions.frozen_param_mask``)."""
+    parts = [
         optax.clip_by_global_norm(t.clip_norm) if t.clip_norm > 0 else optax.identity(),
         optax.adamw(lr_schedule(t), b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay,
                     mask=_decay_mask),
-    )
+    ]
+    if frozen_mask is not None:
+        parts.append(optax.masked(optax.set_to_zero(), frozen_mask))
+    return optax.chain(*parts)

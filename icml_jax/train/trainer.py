@@ -4,6 +4,7 @@ Every task (``config.task``) provides the model, the loss and the data; this fil
 all of them. See ``train_and_evaluate``.
 """
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -21,6 +22,7 @@ from tqdm import tqdm
 
 from icml_jax import tasks
 from icml_jax.analysis.flops import train_flops_per_token
+from icml_jax.models.positions import frozen_param_mask
 from icml_jax.train import checkpoint as ckpt_lib
 from icml_jax.train import mesh as mesh_lib
 from icml_jax.train.metrics import MetricsWriter, plot_loss_curve
@@ -155,7 +157,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     shape = validate_config(config, jax.device_count())
     task = tasks.TASKS.get(config.task)(config)
     mesh, rules = mesh_lib.make_mesh(config.mesh), mesh_lib.logical_rules(config.mesh)
-    tx = make_optimizer(t)
+    tx = make_optimizer(t, frozen_mask=functools.partial(frozen_param_mask, config.model))
     os.makedirs(workdir, exist_ok=True)
     if is_main:
         with open(os.path.join(workdir, "config.json.tmp"), "w") as f:
