@@ -1,0 +1,269 @@
+"""Greedy decoding speed: our KV-cache ``generate`` vs ``transformers`` ``generate`` on this CPU.
+
+Run:
+  python -m benchmarks.decode_speed [--presets=tiny,20m] [--batches=1,8] [--repeats=5]
+
+For each preset of ``configs/lm.py`` (its model dimensions), an HF ``LlamaForCausalLM`` with random
+weights is built with those dimensions, saved with ``save_pretrained`` and imported with
+``icml_jax.interop.load_hf``, so both sides run the SAME weights (the benchmark checks that their
+greedy tokens agree). Each batch row gets a random 64-token prompt (no padding) and 128 new tokens
+are decoded greedily with no stop token (HF: ``do_sample=False, use_cache=True``, eos disabled,
+``torch.set_num_threads(cores)``). Every measurement runs in its own child process, so jax's and
+torch's thread pools never share one process.
+
+Timing: every path is warmed up once first (for us that is the XLA compile, which is excluded from
+all numbers), then run ``--repeats`` times; we report the median.
+  * tokens/s = B * 128 / (wall time of one whole ``generate`` call, host-side padding included);
+  * prefill latency = one forward over the [B, 64] prompt that fills a fresh cache and returns the
+    last logits (ours: a jitted prefill built from the same model; HF: ``model(ids, use_cache=True)``);
+  * per-token latency = (generate time - prefill time) / 127 (our decode loop runs inside one
+    ``jax.lax.while_loop``, so single steps cannot be timed from Python; the same formula is used
+    for HF).
+Results: benchmarks/results/decode_speed.{json,md} (written atomically).
+"""
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPT_LEN, NEW_TOKENS = 64, 128
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def build_hf(model_cfg, folder: str, seed: int = 0):
+    """A random-weight LlamaForCausalLM with ``model_cfg``'s dims, saved to ``folder``."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=model_cfg.vocab_size, hidden_size=model_cfg.d_model,
+        intermediate_size=model_cfg.ffn_dim, num_hidden_layers=model_cfg.num_layers,
+        num_attention_heads=model_cfg.num_heads, num_key_value_heads=model_cfg.num_kv_heads,
+        head_dim=model_cfg.head_dim, max_position_embeddings=model_cfg.max_seq_len,
+        rms_norm_eps=model_cfg.norm_eps, rope_theta=model_cfg.rope_theta,
+        tie_word_embeddings=model_cfg.tie_embeddings, initializer_range=0.1)
+    model = transformers.LlamaForCausalLM(hf_cfg).eval()
+    model.generation_config.eos_token_id = None  # never stop early: always 128 new tokens
+    model.generation_config.pad_token_id = 0
+    model.save_pretrained(folder)
+    return model
+
+
+def bench_ours(model_cfg, params, prompts: np.ndarray, repeats: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from icml_jax.inference import decode
+    from icml_jax.models.decoder import build_model
+
+    rows = prompts.tolist()
+    run = lambda: decode.generate(model_cfg, params, rows, key=jax.random.key(0),
+                                  max_new_tokens=NEW_TOKENS, temperature=0)
+    t0 = time.perf_counter()
+    out = run()  # warm-up = compile
+    compile_s = time.perf_counter() - t0
+    gen_s = _median_time(run, repeats)
+
+    model = build_model(model_cfg, decode=True)
+    B, P = prompts.shape
+
+    @jax.jit
+    def prefill(params, tokens):
+        cache = decode.init_cache(model, B, P + NEW_TOKENS)
+        positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+        logits, mut = model.apply({"params": params, "cache": cache}, tokens, positions,
+                                  jnp.ones((B, P), jnp.int32), mutable=["cache"])
+        return logits[:, -1], mut["cache"]
+
+    tokens = jnp.asarray(prompts, jnp.int32)
+    jax.block_until_ready(prefill(params, tokens))
+    prefill_s = _median_time(lambda: jax.block_until_ready(prefill(params, tokens)), repeats)
+    return dict(tokens=out.tokens, compile_s=compile_s, generate_s=gen_s, prefill_s=prefill_s)
+
+
+def bench_hf(model, prompts: np.ndarray, repeats: int) -> dict:
+    import torch
+
+    ids = torch.tensor(prompts, dtype=torch.long)
+    mask = torch.ones_like(ids)
+
+    def run():
+        with torch.no_grad():
+            return model.generate(ids, attention_mask=mask, do_sample=False, use_cache=True,
+                                  max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+
+    out = run()  # warm-up
+    gen_s = _median_time(run, repeats)
+
+    def prefill():
+        with torch.no_grad():
+            return model(ids, attention_mask=mask, use_cache=True).logits[:, -1]
+
+    prefill()
+    prefill_s = _median_time(prefill, repeats)
+    return dict(tokens=out[:, PROMPT_LEN:].numpy(), generate_s=gen_s, prefill_s=prefill_s)
+
+
+def _summary(r: dict, B: int) -> dict:
+    per_token = (r["generate_s"] - r["prefill_s"]) / (NEW_TOKENS - 1)
+    return dict(tokens_per_s=B * NEW_TOKENS / r["generate_s"], generate_s=r["generate_s"],
+                prefill_ms=1e3 * r["prefill_s"], per_token_ms=1e3 * per_token,
+                **({"compile_s": r["compile_s"]} if "compile_s" in r else {}))
+
+
+def _child(args) -> None:
+    """One measurement in a fresh process: ``--child=ours|hf`` on the model saved in ``--folder``."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    prompts = np.random.default_rng(args.batch).integers(3, args.vocab, (args.batch, PROMPT_LEN))
+    if args.child == "ours":
+        from icml_jax.interop import load_hf
+        cfg, params = load_hf(args.folder)
+        r = bench_ours(cfg, params, prompts, args.repeats)
+    else:
+        import transformers
+        model = transformers.LlamaForCausalLM.from_pretrained(args.folder).eval()
+        model.generation_config.eos_token_id = None
+        model.generation_config.pad_token_id = 0
+        r = bench_hf(model, prompts, args.repeats)
+    r["tokens"] = np.asarray(r["tokens"]).tolist()
+    r["loadavg"] = os.getloadavg()[0]
+    print("RESULT " + json.dumps(r))
+
+
+def _run_child(kind, folder, vocab, batch, args) -> dict:
+    cmd = [sys.executable, "-m", "benchmarks.decode_speed", f"--child={kind}", f"--folder={folder}",
+           f"--vocab={vocab}", f"--batch={batch}", f"--repeats={args.repeats}",
+           f"--threads={args.threads}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_ROOT)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--presets", default="tiny,20m")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--child", choices=["ours", "hf"], help=argparse.SUPPRESS)
+    ap.add_argument("--folder", help=argparse.SUPPRESS)
+    ap.add_argument("--vocab", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--batch", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        return _child(args)
+
+    import jax
+    import torch
+    import transformers
+
+    from icml_jax.config_utils import load_config
+
+    rows = []
+    for preset in args.presets.split(","):
+        model_cfg = load_config(f"configs/lm.py:{preset}", unlocked=True).model
+        # tiny's max_seq_len (128) is below 64 + 128; RoPE has no position params, so raising it
+        # changes nothing else.
+        model_cfg.max_seq_len = max(model_cfg.max_seq_len, PROMPT_LEN + NEW_TOKENS)
+        with tempfile.TemporaryDirectory() as folder:
+            hf_model = build_hf(model_cfg, folder)
+            n_params = sum(p.numel() for p in hf_model.parameters())
+            del hf_model
+            for B in (int(b) for b in args.batches.split(",")):
+                ours = _run_child("ours", folder, model_cfg.vocab_size, B, args)
+                hf = _run_child("hf", folder, model_cfg.vocab_size, B, args)
+                same = float((np.asarray(ours["tokens"]) == np.asarray(hf["tokens"])).mean())
+                o, h = _summary(ours, B), _summary(hf, B)
+                row = dict(preset=preset, params=n_params, batch=B, ours=o, transformers=h,
+                           speedup=o["tokens_per_s"] / h["tokens_per_s"], greedy_tokens_agree=same,
+                           loadavg=dict(ours=ours["loadavg"], transformers=hf["loadavg"]))
+                rows.append(row)
+                print(f"{preset:>5} B={B}: ours {o['tokens_per_s']:8.0f} tok/s (prefill "
+                      f"{o['prefill_ms']:.1f} ms, {o['per_token_ms']:.2f} ms/token, compile "
+                      f"{o['compile_s']:.1f} s) | transformers {h['tokens_per_s']:8.0f} tok/s (prefill "
+                      f"{h['prefill_ms']:.1f} ms, {h['per_token_ms']:.2f} ms/token) | "
+                      f"{row['speedup']:.1f}x | tokens agree {same:.0%}", flush=True)
+
+    env = dict(date=datetime.datetime.now().isoformat(timespec="seconds"),
+               machine=platform.machine(), cpus=os.cpu_count(), python=sys.version.split()[0],
+               jax=jax.__version__, torch=torch.__version__, transformers=transformers.__version__,
+               torch_threads=args.threads, xla_flags=os.environ.get("XLA_FLAGS", ""),
+               loadavg=os.getloadavg(), prompt_len=PROMPT_LEN, new_tokens=NEW_TOKENS,
+               repeats=args.repeats)
+    report = dict(env=env, results=rows, notes=(
+        "Greedy, float32, no stop tokens. Same random weights on both sides (HF LlamaForCausalLM "
+        "saved with save_pretrained, imported with icml_jax.interop.load_hf). Each measurement runs "
+        "in its own child process. Compile time is excluded (warm-up run) and listed separately. "
+        "Medians over repeats. The tiny preset's max_seq_len is raised to 192 to fit 64 + 128."))
+    os.makedirs(RESULTS_DIR, exist_ok=True)
+    _write_atomic(os.path.join(RESULTS_DIR, "decode_speed.json"), json.dumps(report, indent=2) + "\n")
+    _write_atomic(os.path.join(RESULTS_DIR, "decode_speed.md"), _markdown(report))
+    return report
+
+
+def _markdown(report: dict) -> str:
+    e = report["env"]
+    lines = [
+        "# Decode speed: KV-cache `generate` vs transformers",
+        "",
+        f"`python -m benchmarks.decode_speed` on {e['date']}: {e['cpus']} CPU cores ({e['machine']}), "
+        f"jax {e['jax']}, torch {e['torch']} ({e['torch_threads']} threads), transformers "
+        f"{e['transformers']}, load average {tuple(round(x, 1) for x in e['loadavg'])}"
+        + (f", XLA_FLAGS=`{e['xla_flags']}`" if e["xla_flags"] else "") + ".",
+        "",
+        f"Greedy decoding of {e['new_tokens']} new tokens after a {e['prompt_len']}-token prompt, "
+        f"float32, same random Llama weights on both sides, each side in its own process; median of {e['repeats']} runs after one "
+        "warm-up run (our XLA compile time is excluded from every number and shown on its own).",
+        "",
+        "| model | params | batch | ours tok/s | HF tok/s | speedup | ours prefill ms | HF prefill ms "
+        "| ours ms/token | HF ms/token | ours compile s | greedy tokens agree |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in report["results"]:
+        o, h = r["ours"], r["transformers"]
+        lines.append(
+            f"| {r['preset']} | {r['params'] / 1e6:.2f}M | {r['batch']} | {o['tokens_per_s']:.0f} | "
+            f"{h['tokens_per_s']:.0f} | {r['speedup']:.1f}x | {o['prefill_ms']:.1f} | "
+            f"{h['prefill_ms']:.1f} | {o['per_token_ms']:.2f} | {h['per_token_ms']:.2f} | "
+            f"{o['compile_s']:.1f} | {r['greedy_tokens_agree']:.0%} |")
+    lines += ["", "tokens/s = batch x 128 / median wall time of one whole generate call. Per-token "
+              "latency = (generate - prefill) / 127: our decode loop is one `jax.lax.while_loop`, so "
+              "single steps are not timed from Python. 'greedy tokens agree' = fraction of generated "
+              "tokens equal to transformers' (float32 rounding can flip a near-tie and the rows then "
+              "diverge).", ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
