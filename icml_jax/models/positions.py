@@ -124,9 +124,9 @@ class RoPE(PositionEmbedding):
     def inv_freq(self, head_dim: int):
         inv = rope_inv_freq(head_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
         if self.cfg.get("rope_floor_clip", False):
-            keep = floor_clip_mask(np.asarray(inv), training_length(self.cfg),
-                                   self.cfg.get("rope_floor_ratio", 1.0))
-            inv = jnp.where(jnp.asarray(keep), inv, 0.0)
+            floor = np.float32(2 * math.pi / training_length(self.cfg)
+                               * self.cfg.get("rope_floor_ratio", 1.0))
+            inv = jnp.where(inv < floor, 0.0, inv)  # traced under jit: compare in jnp
         return inv
 
     def __call__(self, q, k, q_pos, k_pos):
@@ -144,7 +144,8 @@ def fope_frequencies(head_dim: int, theta: float, train_len: int, floor_ratio: f
     """(Omega float32 [D_in], D_in, D_out): the kept RoPE frequencies (original, decreasing order).
 
     Raises ValueError when the training length keeps no frequency."""
-    inv = np.asarray(rope_inv_freq(head_dim, theta), np.float32)
+    with jax.ensure_compile_time_eval():  # concrete even inside jit; XLA's pow = torch's bits
+        inv = np.asarray(rope_inv_freq(head_dim, theta), np.float32)
     omega = inv[floor_clip_mask(inv, train_len, floor_ratio)]
     d_in = int(omega.size)
     if d_in == 0:
