@@ -265,6 +265,10 @@ def machine_info() -> dict:
             "platform": platform.platform(), "python": platform.python_version()}
 
 
+def _fmt_load(load) -> str:
+    return "/".join(f"{x:.2f}" for x in load)
+
+
 def _fmt_mb(x):
     return "n/a" if x is None else f"{x / 2**20:,.0f} MiB"
 
@@ -291,8 +295,9 @@ def markdown(res: dict) -> str:
         "# Train-step throughput: icml_jax vs PyTorch `LlamaForCausalLM`", "",
         f"Date: {res['date']} · machine: {m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB RAM · "
         f"jax {res['versions'].get('jax')} · torch {res['versions'].get('torch')} · "
-        f"transformers {res['versions'].get('transformers')} · load average at start/end "
-        f"{res['loadavg_start']} / {res['loadavg_end']} · run time {res['runtime_s']:.0f} s", "",
+        f"transformers {res['versions'].get('transformers')} · 1/5/15-min load average at start "
+        f"{_fmt_load(res['loadavg_start'])}, at end {_fmt_load(res['loadavg_end'])} · run time "
+        f"{res['runtime_s']:.0f} s", "",
         f"Command: `python -m benchmarks.train_throughput {' '.join(res['argv'])}`", "",
         f"Our XLA flags: `{res['xla_flags'] or '(none)'}`. FLOPs: MaxText convention "
         "(`icml_jax.analysis.flops.train_flops_per_token`: 6 × matmul params per token + causal "
@@ -303,6 +308,13 @@ def markdown(res: dict) -> str:
         "torch peak mem (RSS growth) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    busy = max(res["loadavg_start"][0], res["loadavg_end"][0]) > 0.5 * m["cores"]
+    if busy:
+        lines[-2:-2] = [f"**Warning: the machine was busy (load average above {0.5 * m['cores']:.1f} on "
+                        f"{m['cores']} cores) while this ran; other processes competed for the cores, "
+                        "which slows every measurement and torch's OpenMP threads more than XLA's, so "
+                        "the numbers and especially the ratios are not representative. Rerun on an idle "
+                        "machine.**", ""]
     for preset, row in res["presets"].items():
         o, t = row.get("ours", {}), row.get("torch_sdpa", {})
         if "tokens_per_s" not in o:
