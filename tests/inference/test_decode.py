@@ -63,8 +63,7 @@ def test_step_logits_equal_full_forward_1e5(position):
     np.testing.assert_allclose(out.logprobs[0], logp[np.arange(n), out.tokens[0]], atol=1e-5)
 
 
-@pytest.mark.parametrize("scan_layers", [False, True])
-@pytest.mark.parametrize("window", [0, 4])
+@pytest.mark.parametrize("scan_layers,window", [(False, 0), (True, 4)])
 def test_left_padded_batch_rows_equal_alone(scan_layers, window):
     cfg, params = _model(scan_layers=scan_layers, window=window, seed=3)
     prompts = [[1, 7], PROMPT, [1, 20, 30, 40, 50, 60, 70, 80, 90, 100, 110, 120, 130, 140, 150,
