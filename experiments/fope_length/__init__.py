@@ -1,0 +1,1 @@
+"""FoPE length-generalisation experiment; run ``python -m experiments.fope_length --help``."""

@@ -1,0 +1,237 @@
+"""FoPE length generalisation: RoPE vs FoPE vs ALiBi vs NoPE trained at L, evaluated to 8L.
+
+  python -m experiments.fope_length --workdir=runs/fope_length [--preset=tiny|default]
+      [--seeds=0,1] [--methods=rope,fope,alibi,nope] [--steps=N]
+
+Every (method, seed) trains ``configs/fope.py:PRESET`` with only ``config.model.position`` and
+``config.seed`` changed (same data order per seed, same steps) through ``train_and_evaluate`` in its
+own ``DIR/<method>_s<seed>/`` (a rerun resumes; a finished run only re-evaluates if its
+``eval.json`` is missing). Each model is then evaluated on the Shakespeare validation split:
+perplexity at 1x/2x/4x/8x L on the same non-overlapping tokens, and passkey retrieval
+(teacher-forced and greedy KV-cache digit accuracy) over lengths x depths.
+
+Writes DIR/config.json, DIR/results.csv (long format), DIR/results.md, DIR/perplexity_vs_length.png
+and DIR/passkey_<method>.png (teacher-forced accuracy heatmaps, mean over seeds).
+"""
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+
+if "XLA_FLAGS" not in os.environ:  # faster CPU dots (see benchmarks/train_throughput.py)
+    os.environ["XLA_FLAGS"] = "--xla_cpu_experimental_ynn_fusion_type="
+
+PRESETS = {
+    # seeds, ppl token budget (multiple of 8L), passkey depths and trials per cell
+    "tiny": dict(seeds=(0, 1), eval_tokens=2048, depths=(0.2, 0.8), trials=2),
+    "default": dict(seeds=(0, 1), eval_tokens=32768, depths=(0.1, 0.5, 0.9), trials=8),
+}
+METHODS = ("rope", "fope", "alibi", "nope")
+FACTORS = (1, 2, 4, 8)
+
+
+def _write_atomic(path, text):
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+def _git_commit():
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except OSError:
+        return "unknown"
+
+
+def run_one(cfg, workdir, exp, stream, tokenizer):
+    """Trains (or resumes) one model and evaluates it; returns its eval dict (cached)."""
+    import jax
+    from icml_jax.analysis import length_eval
+    from icml_jax.train.trainer import train_and_evaluate
+    eval_path = os.path.join(workdir, "eval.json")
+    key = {"config": json.loads(cfg.to_json_best_effort()), "exp": exp}
+    if os.path.exists(eval_path):
+        with open(eval_path) as f:
+            cached = json.load(f)
+        if cached.get("key") == key:
+            return cached
+    t0 = time.time()
+    summary = train_and_evaluate(cfg, workdir)
+    train_s = time.time() - t0
+    params = jax.device_get(summary["state"].params)
+    L = cfg.data.seq_len
+    lengths = [f * L for f in FACTORS]
+    t0 = time.time()
+    ppl = length_eval.perplexity_at_lengths(cfg.model, params, stream, lengths,
+                                            num_tokens=exp["eval_tokens"])
+    pk_lengths = [l for l in lengths if l >= length_eval.passkey_min_length(tokenizer)]
+    pk = length_eval.passkey_grid(cfg.model, params, tokenizer, stream, pk_lengths, exp["depths"],
+                                  trials=exp["trials"], seed=cfg.seed)
+    out = {"key": key, "perplexity": {str(k): v for k, v in ppl.items()}, "passkey": pk,
+           "train_seconds": train_s, "eval_seconds": time.time() - t0,
+           "final_train_loss": summary.get("loss"), "val_loss": summary.get("eval_loss")}
+    _write_atomic(eval_path, json.dumps(out, indent=2))
+    return out
+
+
+def aggregate(results, L, exp):
+    """Long-format rows and per-(method, length) mean/spread."""
+    import numpy as np
+    rows = []
+    for (method, seed), r in sorted(results.items()):
+        for length, v in r["perplexity"].items():
+            rows.append(dict(method=method, seed=seed, metric="perplexity", length=int(length),
+                             depth="", value=v["perplexity"]))
+        for p in r["passkey"]:
+            for kind in ("teacher_forced", "greedy"):
+                rows.append(dict(method=method, seed=seed, metric=f"passkey_{kind}",
+                                 length=p["length"], depth=p["depth"], value=p[kind]))
+    stats = {}
+    for row in rows:
+        k = (row["method"], row["metric"], row["length"], row["depth"])
+        stats.setdefault(k, []).append(row["value"])
+    stats = {k: (float(np.mean(v)), float(np.max(v) - np.min(v)) / 2, len(v)) for k, v in stats.items()}
+    return rows, stats
+
+
+def markdown(stats, methods, L, exp, meta):
+    lengths = [f * L for f in FACTORS]
+    lines = ["# FoPE length generalisation (RoPE / FoPE / ALiBi / NoPE)", "",
+             f"Command: `{meta['command']}` — commit `{meta['commit']}`, seeds {list(meta['seeds'])}, "
+             f"preset `{meta['preset']}`, {meta['steps']} steps at training length L = {L}, "
+             f"wall time {meta['wall_seconds'] / 60:.1f} min ({meta['cpus']} CPUs, shared).", "",
+             f"Model: {meta['model']}. Data: Shakespeare (byte tokens), train split; evaluation on the "
+             f"validation split, the same {exp['eval_tokens']} tokens at every length, cut into "
+             "non-overlapping windows that each start at position 0.", "",
+             "## Validation perplexity (mean ± half the seed range)", "",
+             "| method | " + " | ".join(f"{l} ({l // L}×L)" for l in lengths) + " |",
+             "|---|" + "---|" * len(lengths)]
+    for m in methods:
+        cells = []
+        for l in lengths:
+            mean, spread, _ = stats[(m, "perplexity", l, "")]
+            cells.append(f"{mean:.2f} ± {spread:.2f}")
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    for kind, title in (("teacher_forced", "teacher-forced"), ("greedy", "greedy KV-cache")):
+        lines += ["", f"## Passkey digit accuracy, {title} (mean over seeds and depths "
+                      f"{list(exp['depths'])}, {exp['trials']} keys per cell; chance ≈ 0.10)", "",
+                  "| method | " + " | ".join(f"{l}" for l in lengths) + " |",
+                  "|---|" + "---|" * len(lengths)]
+        for m in methods:
+            cells = []
+            for l in lengths:
+                vals = [stats[(m, f"passkey_{kind}", l, d)][0] for d in exp["depths"]
+                        if (m, f"passkey_{kind}", l, d) in stats]
+                cells.append(f"{sum(vals) / len(vals):.2f}" if vals else "— (too short)")
+            lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    lines += ["", "Plots: `perplexity_vs_length.png`, `passkey_<method>.png` (teacher-forced, length × depth).",
+              ""]
+    return "\n".join(lines)
+
+
+def plots(stats, methods, L, exp, workdir):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    lengths = [f * L for f in FACTORS]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for m in methods:
+        mean = [stats[(m, "perplexity", l, "")][0] for l in lengths]
+        spread = [stats[(m, "perplexity", l, "")][1] for l in lengths]
+        ax.errorbar(lengths, mean, yerr=spread, marker="o", capsize=3, label=m)
+    ax.axvline(L, color="gray", ls=":", lw=1)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(lengths, [str(l) for l in lengths])
+    ax.set_xlabel("evaluation context length (tokens); dotted = training length")
+    ax.set_ylabel("validation perplexity")
+    ax.set_title("Perplexity vs context length")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(workdir, "perplexity_vs_length.png"), dpi=110)
+    plt.close(fig)
+    for m in methods:
+        grid = np.array([[stats.get((m, "passkey_teacher_forced", l, d), (np.nan,))[0]
+                          for l in lengths] for d in exp["depths"]])
+        fig, ax = plt.subplots(figsize=(4.5, 3))
+        im = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
+        ax.set_xticks(range(len(lengths)), [str(l) for l in lengths])
+        ax.set_yticks(range(len(exp["depths"])), [f"{d:.0%}" for d in exp["depths"]])
+        ax.set_xlabel("length")
+        ax.set_ylabel("depth")
+        ax.set_title(f"{m}: passkey digit accuracy (teacher-forced)")
+        for i in range(grid.shape[0]):
+            for j in range(grid.shape[1]):
+                ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center", color="w", fontsize=8)
+        fig.colorbar(im, ax=ax)
+        fig.tight_layout()
+        fig.savefig(os.path.join(workdir, f"passkey_{m}.png"), dpi=110)
+        plt.close(fig)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="FoPE length-generalisation experiment")
+    p.add_argument("--workdir", required=True)
+    p.add_argument("--preset", default="default", choices=sorted(PRESETS))
+    p.add_argument("--seeds", default="")
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--steps", type=int, default=0, help="override config.train.steps")
+    a = p.parse_args(argv)
+    from icml_jax.analysis import length_eval
+    from icml_jax.config_utils import load_config
+    from icml_jax.data import build_tokenizer
+
+    t_start = time.time()
+    exp = dict(PRESETS[a.preset])
+    seeds = tuple(int(s) for s in a.seeds.split(",")) if a.seeds else exp["seeds"]
+    methods = tuple(m for m in a.methods.split(",") if m)
+    exp["depths"], exp["seeds"] = list(exp["depths"]), list(seeds)
+    base = load_config(f"configs/fope.py:{a.preset}", unlocked=True)
+    if a.steps:
+        base.train.steps = a.steps
+    os.makedirs(a.workdir, exist_ok=True)
+    meta_cfg = {"preset": a.preset, "methods": list(methods), "seeds": list(seeds), "exp": exp,
+                "eval_factors": list(FACTORS), "base_config": json.loads(base.to_json_best_effort())}
+    _write_atomic(os.path.join(a.workdir, "config.json"), json.dumps(meta_cfg, indent=2))
+    tokenizer = build_tokenizer(base.data.tokenizer)
+    stream = length_eval.heldout_stream(base.data, tokenizer, "validation")
+    results = {}
+    for seed in seeds:
+        for m in methods:
+            cfg = load_config(f"configs/fope.py:{a.preset}", unlocked=True)
+            cfg.update_from_flattened_dict({"train.steps": base.train.steps})
+            cfg.model.position, cfg.seed = m, seed
+            print(f"=== {m} seed {seed} ===", flush=True)
+            results[(m, seed)] = run_one(cfg, os.path.join(a.workdir, f"{m}_s{seed}"), exp, stream,
+                                         tokenizer)
+            r = results[(m, seed)]
+            print(f"{m} s{seed}: train {r['train_seconds']:.0f}s eval {r['eval_seconds']:.0f}s ppl "
+                  + " ".join(f"{k}:{v['perplexity']:.2f}" for k, v in r["perplexity"].items()), flush=True)
+    L = base.data.seq_len
+    rows, stats = aggregate(results, L, exp)
+    with open(os.path.join(a.workdir, "results.csv.tmp"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["method", "seed", "metric", "length", "depth", "value"])
+        w.writeheader()
+        w.writerows(rows)
+    os.replace(os.path.join(a.workdir, "results.csv.tmp"), os.path.join(a.workdir, "results.csv"))
+    m = base.model
+    meta = {"command": "python -m experiments.fope_length " + " ".join(argv if argv is not None
+                                                                       else sys.argv[1:]),
+            "commit": _git_commit(), "seeds": seeds, "preset": a.preset, "steps": base.train.steps,
+            "wall_seconds": time.time() - t_start, "cpus": os.cpu_count(),
+            "model": f"d_model {m.d_model}, {m.num_layers} layers, {m.num_heads} heads of {m.head_dim}, "
+                     f"SwiGLU {m.ffn_dim}, batch {base.train.batch_size} x {L}, lr {base.train.lr}; "
+                     f"FoPE gain {m.fope.init_gain}, fixed, pad-sin {m.fope.pad_sin_value}"}
+    _write_atomic(os.path.join(a.workdir, "results.md"), markdown(stats, methods, L, exp, meta))
+    plots(stats, methods, L, exp, a.workdir)
+    print(open(os.path.join(a.workdir, "results.md")).read())
+    return stats
+
+
+if __name__ == "__main__":
+    main()
