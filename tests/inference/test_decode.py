@@ -51,6 +51,16 @@ def test_cached_greedy_equals_full_forward(position, scan_layers, window):
     np.testing.assert_allclose(out.logits[0], want_logits, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("position", ["fope", "alibi"])
+def test_cached_greedy_equals_full_forward_other_positions(position):
+    """Position embeddings added later work through the same module interface, unchanged here."""
+    cfg, params = _model(position, window=5)
+    want, _ = _reference_greedy(cfg, params, PROMPT, 10)
+    out = generate(cfg, params, [PROMPT, [1, 3]], key=jax.random.key(0), max_new_tokens=10,
+                   temperature=0)
+    np.testing.assert_array_equal(out.tokens[0], want)
+
+
 @pytest.mark.parametrize("position", ["rope", "nope"])
 def test_step_logits_equal_full_forward_1e5(position):
     cfg, params = _model(position, scale=1.0)  # init-scale weights: logits of order 1
