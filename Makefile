@@ -34,6 +34,8 @@ test: $(FULL_STAMP)
 
 bench: $(FULL_STAMP)
 	$(PY) -m benchmarks.train_throughput
+	$(PY) -m benchmarks.decode_speed
+	$(PY) -m benchmarks.position_cost
 
 clean:
 	rm -rf $(VENV) runs
