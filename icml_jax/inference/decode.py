@@ -89,10 +89,11 @@ def sample_logits(key, logits_BV, mode: SamplerMode, temperature, top_k, top_p) 
 # ----------------------------------------------------------------------------- the jitted core
 
 def init_cache(model, batch: int, size: int):
-    """The model's zero ``cache`` collection for [batch, size] (traced inside jit: the dummy
-    forward and the param init are dead code and are removed by XLA)."""
+    """The model's zero ``cache`` collection for [batch, size] (shapes from ``eval_shape``, so no
+    dummy forward or param init is ever run)."""
     dummy = jnp.zeros((batch, size), jnp.int32)
-    return model.init(jax.random.key(0), dummy)["cache"]
+    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), dummy)["cache"])
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
 @functools.partial(jax.jit, static_argnames=("model", "max_new", "mode", "return_logits"))
@@ -103,7 +104,7 @@ def _generate(model, params, tokens_BP, positions_BP, segments_BP, key, temperat
 
     def forward(cache, tok_BT, pos_BT, seg_BT):
         logits_BTV, mut = model.apply({"params": params, "cache": cache}, tok_BT, pos_BT, seg_BT,
-                                      mutable=["cache"])
+                                      last_only=True, mutable=["cache"])
         return logits_BTV[:, -1].astype(jnp.float32), mut["cache"]
 
     def emit(state, logits_BV, key, i):

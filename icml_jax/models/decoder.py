@@ -35,7 +35,9 @@ class Decoder(nn.Module):
     decode: bool = False
 
     @nn.compact
-    def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None):
+    def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None, last_only: bool = False):
+        """Logits [B, T, V] float32; ``last_only`` unembeds only the last slot ([B, 1, V]), which
+        is what a prefill needs."""
         c = self.cfg
         B, T = tokens_BT.shape
         if T > c.max_seq_len:
@@ -56,6 +58,8 @@ class Decoder(nn.Module):
         else:
             for i in range(c.num_layers):
                 h, _ = block(c, self.decode, name=f"layer_{i}")(h, positions_BT, segment_ids_BT)
+        if last_only:
+            h = jax.tree.map(lambda x: x[:, -1:], h)
         return io.unembed(h)
 
 
