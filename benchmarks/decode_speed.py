@@ -26,7 +26,6 @@ import datetime
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -34,25 +33,12 @@ import time
 
 import numpy as np
 
-RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+from benchmarks.common import median_time, write_atomic
+
+from benchmarks.common import RESULTS_DIR  # noqa: E402
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT_LEN, NEW_TOKENS = 64, 128
 
-
-def _write_atomic(path: str, text: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
-def _median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def build_hf(model_cfg, folder: str, seed: int = 0):
@@ -88,7 +74,7 @@ def bench_ours(model_cfg, params, prompts: np.ndarray, repeats: int) -> dict:
     t0 = time.perf_counter()
     out = run()  # warm-up = compile
     compile_s = time.perf_counter() - t0
-    gen_s = _median_time(run, repeats)
+    gen_s = median_time(run, repeats)
 
     model = build_model(model_cfg, decode=True)
     B, P = prompts.shape
@@ -103,7 +89,7 @@ def bench_ours(model_cfg, params, prompts: np.ndarray, repeats: int) -> dict:
 
     tokens = jnp.asarray(prompts, jnp.int32)
     jax.block_until_ready(prefill(params, tokens))
-    prefill_s = _median_time(lambda: jax.block_until_ready(prefill(params, tokens)), repeats)
+    prefill_s = median_time(lambda: jax.block_until_ready(prefill(params, tokens)), repeats)
     return dict(tokens=out.tokens, compile_s=compile_s, generate_s=gen_s, prefill_s=prefill_s)
 
 
@@ -119,14 +105,14 @@ def bench_hf(model, prompts: np.ndarray, repeats: int) -> dict:
                                   max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
 
     out = run()  # warm-up
-    gen_s = _median_time(run, repeats)
+    gen_s = median_time(run, repeats)
 
     def prefill():
         with torch.no_grad():
             return model(ids, attention_mask=mask, use_cache=True).logits[:, -1]
 
     prefill()
-    prefill_s = _median_time(prefill, repeats)
+    prefill_s = median_time(prefill, repeats)
     return dict(tokens=out[:, PROMPT_LEN:].numpy(), generate_s=gen_s, prefill_s=prefill_s)
 
 
@@ -227,8 +213,8 @@ def main(argv=None) -> dict:
         "in its own child process. Compile time is excluded (warm-up run) and listed separately. "
         "Medians over repeats. The tiny preset's max_seq_len is raised to 192 to fit 64 + 128."))
     os.makedirs(RESULTS_DIR, exist_ok=True)
-    _write_atomic(os.path.join(RESULTS_DIR, "decode_speed.json"), json.dumps(report, indent=2) + "\n")
-    _write_atomic(os.path.join(RESULTS_DIR, "decode_speed.md"), _markdown(report))
+    write_atomic(os.path.join(RESULTS_DIR, "decode_speed.json"), json.dumps(report, indent=2) + "\n")
+    write_atomic(os.path.join(RESULTS_DIR, "decode_speed.md"), _markdown(report))
     return report
 
 

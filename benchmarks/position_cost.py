@@ -19,23 +19,12 @@ import json
 import os
 import platform
 import sys
-import tempfile
 import time
 
+from benchmarks.common import RESULTS_DIR, write_atomic
 from benchmarks.train_throughput import RECOMMENDED_XLA_FLAGS
 
 METHODS = ("rope", "fope", "alibi", "nope")
-RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-
-
-def write_atomic(path: str, text: str) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=os.path.basename(path), suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def build_step(preset: str, position: str, batch: int):
     """(compiled step, state, batch, tokens per step) for one method."""
     import warnings

@@ -33,15 +33,16 @@ import platform
 import resource
 import subprocess
 import sys
-import tempfile
 import time
+
+from benchmarks.common import time_calls, write_atomic
 
 # XLA CPU flags that this benchmark found faster for training on CPU (see the report): without
 # them jax 0.10.2 routes dots through YNNPACK fusions, which ran on one thread in our step
 # (wall time == CPU time) and made the step ~1.9x slower on 2 cores. Disabling the YNN fusion
 # types sends dots to XLA's multi-threaded Eigen runtime.
 RECOMMENDED_XLA_FLAGS = "--xla_cpu_experimental_ynn_fusion_type="
-RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+from benchmarks.common import RESULTS_DIR  # noqa: E402
 MATMUL_SHAPES = ((2048, 2048, 2048), (4096, 256, 704), (4096, 512, 1408), (4096, 1408, 512),
                  (4096, 512, 512))
 
@@ -51,14 +52,6 @@ MATMUL_SHAPES = ((2048, 2048, 2048), (4096, 256, 704), (4096, 512, 1408), (4096,
 def _maxrss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
-
-def _time_steps(step, n: int) -> list:
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return times
 
 
 def _timing(times: list, tokens_per_step: int, flops_per_token: float) -> dict:
@@ -90,7 +83,7 @@ def child_matmul_jax(spec: dict) -> dict:
         b = jnp.asarray(np.random.default_rng(1).standard_normal((k, n), np.float32))
         f = jax.jit(jnp.matmul)
         f(a, b).block_until_ready()
-        times = _time_steps(lambda: f(a, b).block_until_ready(), spec["reps"])
+        times = time_calls(lambda: f(a, b).block_until_ready(), spec["reps"])
         out[f"{m}x{k}x{n}"] = 2 * m * k * n / min(times) / 1e9
     return {"gflops": out, "jax_version": jax.__version__}
 
@@ -103,7 +96,7 @@ def child_matmul_torch(spec: dict) -> dict:
         g = torch.Generator().manual_seed(0)
         a, b = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)
         torch.matmul(a, b)
-        times = _time_steps(lambda: torch.matmul(a, b), spec["reps"])
+        times = time_calls(lambda: torch.matmul(a, b), spec["reps"])
         out[f"{m}x{k}x{n}"] = 2 * m * k * n / min(times) / 1e9
     return {"gflops": out, "torch_version": torch.__version__, "threads": torch.get_num_threads()}
 
@@ -160,7 +153,7 @@ def child_ours(spec: dict) -> dict:
         jax.block_until_ready((box["state"], box["metrics"]))
 
     run()  # warm-up step (allocations, thread pools)
-    times = _time_steps(run, spec["steps"])
+    times = time_calls(run, spec["steps"])
     n_params = sum(x.size for x in jax.tree.leaves(box["state"].params))
     out = _timing(times, B * T, train_flops_per_token(config.model, T))
     out.update(compile_s=compile_s, params=int(n_params), params_formula=param_count(config.model),
@@ -219,7 +212,7 @@ def child_torch(spec: dict) -> dict:
 
     run()
     run()
-    times = _time_steps(run, spec["steps"])
+    times = time_calls(run, spec["steps"])
     out = _timing(times, B * T, train_flops_per_token(config.model, T))
     out.update(params=int(sum(p.numel() for p in params)), loss=box["loss"],
                rss_growth_bytes=_maxrss_bytes() - rss0, torch_version=torch.__version__,
@@ -354,14 +347,6 @@ def markdown(res: dict) -> str:
               "`LlamaForCausalLM` fp32, AdamW (decay on matrices only, like ours) + grad-norm clip, "
               "cross-entropy on the same tokens/targets, `torch.set_num_threads(cores)`.", ""]
     return "\n".join(lines)
-
-
-def write_atomic(path: str, text: str) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=os.path.basename(path), suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 # ----------------------------------------------------------------------------- driver

@@ -3,7 +3,6 @@
 Every task (``config.task``) provides the model, the loss and the data; this file is the same for
 all of them. See ``train_and_evaluate``.
 """
-import dataclasses
 import functools
 import json
 import math
@@ -17,7 +16,6 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
-from absl import logging
 from tqdm import tqdm
 
 from icml_jax import tasks
@@ -194,7 +192,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     writer = MetricsWriter(workdir, start, enabled=is_main)
     flops_per_token = train_flops_per_token(config.model, config.data.seq_len)
     schedule = lr_schedule(t)
-    pending, window_start, window_tokens = [], time.time(), 0.0
+    pending, window_start = [], time.time()
     bar = tqdm(total=t.steps, initial=start, disable=not (is_main and t.progress), unit="step",
                dynamic_ncols=True)
     last_good = start if restored is not None else None
@@ -202,7 +200,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
     def flush(step):
         """Fetches the queued step metrics, stops on a non-finite loss, writes the lines."""
-        nonlocal pending, window_start, window_tokens
+        nonlocal pending, window_start
         rows = jax.device_get([m for _, m in pending])
         elapsed = max(time.time() - window_start, 1e-9)
         tokens = sum(float(r["tokens"]) for r in rows)

@@ -1,0 +1,30 @@
+"""Helpers shared by the benchmarks: timing and atomic result files."""
+import os
+import statistics
+import tempfile
+import time
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def time_calls(fn, n: int) -> list:
+    """Wall-clock seconds of ``n`` calls of ``fn`` (which must block until its work is done)."""
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def median_time(fn, n: int) -> float:
+    return statistics.median(time_calls(fn, n))
+
+
+def write_atomic(path: str, text: str) -> None:
+    """Writes via a temp file + rename: a killed benchmark never leaves a half-written report."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=os.path.basename(path), suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
