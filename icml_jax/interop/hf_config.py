@@ -160,6 +160,8 @@ def to_hf_config(m: ml_collections.ConfigDict, architecture: str, dtype: str,
              "equivalent; only the 'standard' residual stream can be exported")
     _require(m.position == "rope", f"{where}: config.model.position={m.position!r} has no HF "
              "equivalent in these families; only 'rope' can be exported")
+    _require(not m.get("rope_floor_clip", False), f"{where}: config.model.rope_floor_clip=True "
+             "(zeroed low frequencies) has no HF equivalent; export a model trained without it")
     _require(m.mlp.activation == "swiglu", f"{where}: config.model.mlp.activation="
              f"{m.mlp.activation!r} cannot be exported; these families use 'swiglu' (silu-gated)")
     rs = m.get("rope_scaling") or ml_collections.ConfigDict({"type": "none"})

@@ -357,7 +357,8 @@ def test_missing_files_errors(tmp_path):
     (dict(qkv_bias=True), "LlamaForCausalLM", "qkv_bias=True needs architecture='Qwen2ForCausalLM'"),
     (dict(sliding_window=4), "Qwen2ForCausalLM", "sliding_window=4 needs architecture='MistralForCausalLM'"),
     (dict(), "GPTNeoXForCausalLM", "unsupported architecture"),
-], ids=["position", "residual", "activation", "qkv_bias", "window", "arch"])
+    (dict(rope_floor_clip=True), "LlamaForCausalLM", "rope_floor_clip=True"),
+], ids=["position", "residual", "activation", "qkv_bias", "window", "arch", "floor_clip"])
 def test_export_errors(saved, tmp_path, change, arch, match):
     model_cfg, params = load_hf(saved("llama_tied")[0])
     model_cfg.update(change)
