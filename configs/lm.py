@@ -128,8 +128,8 @@ PRESETS = {
         model=dict(d_model=256, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64, ffn_dim=704,
                    max_seq_len=512),
         data=dict(seq_len=256),
-        train=dict(steps=600, batch_size=16, lr=3e-3, warmup_steps=60, eval_every=200,
-                   checkpoint_every=200),
+        train=dict(steps=400, batch_size=16, lr=3e-3, warmup_steps=40, eval_every=100,
+                   checkpoint_every=100),
     ),
     "20m": dict(
         model=dict(d_model=512, num_layers=6, num_heads=8, num_kv_heads=4, head_dim=64, ffn_dim=1408,
