@@ -1,7 +1,7 @@
 """FoPE length generalisation: RoPE vs FoPE vs ALiBi vs NoPE trained at L, evaluated to 8L.
 
   python -m experiments.fope_length --workdir=runs/fope_length [--preset=tiny|default]
-      [--seeds=0,1] [--methods=rope,fope,alibi,nope] [--steps=N]
+      [--seeds=0,1] [--methods=rope,fope,alibi,nope] [--steps=N] [--passkey_train_fraction=F]
 
 Every (method, seed) trains ``configs/fope.py:PRESET`` with only ``config.model.position`` and
 ``config.seed`` changed (same data order per seed, same steps) through ``train_and_evaluate`` in its
@@ -9,6 +9,12 @@ own ``DIR/<method>_s<seed>/`` (a rerun resumes; a finished run only re-evaluates
 ``eval.json`` is missing). Each model is then evaluated on the Shakespeare validation split:
 perplexity at 1x/2x/4x/8x L on the same non-overlapping tokens, and passkey retrieval
 (teacher-forced and greedy KV-cache digit accuracy) over lengths x depths.
+
+Passkey training mix (preset field ``passkey_train_fraction``, 0.5 in ``default``, 0 in ``tiny``
+whose L is shorter than a passkey example): the models train on ``DIR/passkey_mix_*.jsonl`` —
+the Shakespeare train split plus synthetic passkey documents in the evaluation's exact format, each
+at most L tokens (``passkey_mix_corpus``) — so the task is taught within L and tested beyond it.
+Evaluation text is always the Shakespeare validation split.
 
 Writes DIR/config.json, DIR/results.csv (long format), DIR/results.md, DIR/perplexity_vs_length.png
 and DIR/passkey_<method>.png (teacher-forced accuracy heatmaps, mean over seeds).
@@ -25,9 +31,13 @@ if "XLA_FLAGS" not in os.environ:  # faster CPU dots (see benchmarks/train_throu
     os.environ["XLA_FLAGS"] = "--xla_cpu_experimental_ynn_fusion_type="
 
 PRESETS = {
-    # seeds, ppl token budget (multiple of 8L), passkey depths and trials per cell
-    "tiny": dict(seeds=(0, 1), eval_tokens=2048, depths=(0.2, 0.8), trials=2),
-    "default": dict(seeds=(0, 1), eval_tokens=32768, depths=(0.1, 0.5, 0.9), trials=8),
+    # seeds, ppl token budget (multiple of 8L), passkey depths and trials per cell, and the share of
+    # the training corpus's tokens that are synthetic passkey documents (0 = plain Shakespeare; tiny
+    # has none: its L = 32 is shorter than the shortest passkey example)
+    "tiny": dict(seeds=(0, 1), eval_tokens=2048, depths=(0.2, 0.8), trials=2,
+                 passkey_train_fraction=0.0),
+    "default": dict(seeds=(0, 1), eval_tokens=32768, depths=(0.1, 0.5, 0.9), trials=8,
+                    passkey_train_fraction=0.5),
 }
 METHODS = ("rope", "fope", "alibi", "nope")
 FACTORS = (1, 2, 4, 8)
@@ -45,6 +55,63 @@ def _git_commit():
                               cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
     except OSError:
         return "unknown"
+
+
+def passkey_mix_corpus(workdir, data_cfg, tokenizer, seq_len, fraction, seed):
+    """Writes (once) and returns the path of a JSONL training corpus: the Shakespeare train-split
+    works plus synthetic passkey documents that make up ``fraction`` of its tokens.
+
+    Each passkey document is ``length_eval.passkey_example`` (same needle, question and key format
+    as the evaluation) built from train-split filler, with the evaluation's leading bos dropped
+    (the pipeline adds [bos] ... [eos] around every document): a random length in
+    [passkey_min_length, seq_len] and a random depth, so the model only sees the task within L.
+    Deterministic in ``seed``. Every Shakespeare work is put on a JSONL line that
+    ``text_files.assign_splits`` sends to 'train' (the corpus's validation/test splits hold only
+    passkey documents), so training sees exactly the Shakespeare train split plus the mix.
+    """
+    import numpy as np
+    from icml_jax.analysis import length_eval
+    from icml_jax.data import get_split_source
+    from icml_jax.data.text_files import assign_splits
+    path = os.path.abspath(os.path.join(workdir, f"passkey_mix_f{fraction:g}_L{seq_len}_s{seed}.jsonl"))
+    if os.path.exists(path):
+        return path
+    lo = length_eval.passkey_min_length(tokenizer)
+    if lo > seq_len:
+        raise ValueError(f"passkey_train_fraction > 0 needs seq_len >= {lo} (the shortest passkey "
+                         f"example), got {seq_len}")
+    src = get_split_source(data_cfg, "train")
+    works = [src[i]["text"] for i in range(len(src))]
+    filler = length_eval.heldout_stream(data_cfg, tokenizer, "train")
+    filler = filler[(filler != tokenizer.bos_id) & (filler != tokenizer.eos_id)]
+    target = fraction / (1.0 - fraction) * len(filler)
+    rng = np.random.RandomState(seed + 104729)
+    docs, tokens, misses = [], 0, 0
+    while tokens < target:
+        length = int(rng.randint(lo, seq_len + 1))
+        start = int(rng.randint(0, len(filler) - 2 * seq_len))
+        prompt, answer, _ = length_eval.passkey_example(
+            tokenizer, filler[start:start + 2 * seq_len], length, float(rng.uniform()), rng)
+        ids = prompt[1:] + answer
+        text = tokenizer.decode(ids)
+        if tokenizer.encode(text) != ids:  # e.g. filler cut inside a UTF-8 character
+            misses += 1
+            if misses > 1000 + len(docs):
+                raise ValueError("passkey documents do not round-trip through the tokenizer")
+            continue
+        docs.append(text)
+        tokens += len(ids) + 2
+    n = len(works) + len(docs)
+    splits = assign_splits([str(i) for i in range(1, n + 1)])
+    train_lines = [i for i in range(n) if splits[str(i + 1)] == "train"]
+    work_lines = set(rng.choice(train_lines, len(works), replace=False).tolist())
+    rows, wi, di = [], iter(works), iter(docs)
+    for i in range(n):
+        kind, text = ("shakespeare", next(wi)) if i in work_lines else ("passkey", next(di))
+        rows.append(json.dumps({"text": text, "kind": kind}))
+    os.makedirs(workdir, exist_ok=True)
+    _write_atomic(path, "\n".join(rows) + "\n")
+    return path
 
 
 def run_one(cfg, workdir, exp, stream, tokenizer):
@@ -106,7 +173,19 @@ def markdown(stats, methods, L, exp, meta):
              f"wall time {meta['wall_seconds'] / 60:.1f} min ({meta['cpus']} CPUs, shared).", "",
              f"Model: {meta['model']}. Data: Shakespeare (byte tokens), train split; evaluation on the "
              f"validation split, the same {exp['eval_tokens']} tokens at every length, cut into "
-             "non-overlapping windows that each start at position 0.", "",
+             "non-overlapping windows that each start at position 0.", ""]
+    f = exp.get("passkey_train_fraction", 0.0)
+    if f > 0:
+        lines += [f"Passkey training mix: the training corpus is the Shakespeare train split plus "
+                  f"synthetic passkey documents making up {f:.0%} of its tokens (`passkey_mix_corpus`, "
+                  "JSONL in the workdir, one per seed): each is `length_eval.passkey_example` on "
+                  "train-split filler (same needle, question and 5-digit key as the evaluation) with "
+                  f"a random depth and a random length in [{meta['passkey_min_length']}, {L}], so the "
+                  "task is only ever seen within L. Perplexity stays on the Shakespeare validation "
+                  "split and passkey evaluation uses validation-split filler.", ""]
+    else:
+        lines += ["No passkey documents in training (`passkey_train_fraction` = 0).", ""]
+    lines += [
              "## Validation perplexity (mean ± half the seed range)", "",
              "| method | " + " | ".join(f"{l} ({l // L}×L)" for l in lengths) + " |",
              "|---|" + "---|" * len(lengths)]
@@ -181,6 +260,8 @@ def main(argv=None):
     p.add_argument("--seeds", default="")
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--steps", type=int, default=0, help="override config.train.steps")
+    p.add_argument("--passkey_train_fraction", type=float, default=-1.0,
+                   help="override the preset's share of passkey documents in the training corpus")
     a = p.parse_args(argv)
     from icml_jax.analysis import length_eval
     from icml_jax.config_utils import load_config
@@ -188,6 +269,8 @@ def main(argv=None):
 
     t_start = time.time()
     exp = dict(PRESETS[a.preset])
+    if a.passkey_train_fraction >= 0:
+        exp["passkey_train_fraction"] = a.passkey_train_fraction
     seeds = tuple(int(s) for s in a.seeds.split(",")) if a.seeds else exp["seeds"]
     methods = tuple(m for m in a.methods.split(",") if m)
     exp["depths"], exp["seeds"] = list(exp["depths"]), list(seeds)
@@ -206,6 +289,10 @@ def main(argv=None):
             cfg = load_config(f"configs/fope.py:{a.preset}", unlocked=True)
             cfg.update_from_flattened_dict({"train.steps": base.train.steps})
             cfg.model.position, cfg.seed = m, seed
+            if exp["passkey_train_fraction"] > 0:  # train on Shakespeare + passkey docs (≤ L)
+                cfg.data.name = "jsonl"
+                cfg.data.path = passkey_mix_corpus(a.workdir, base.data, tokenizer, base.data.seq_len,
+                                                   exp["passkey_train_fraction"], seed)
             print(f"=== {m} seed {seed} ===", flush=True)
             results[(m, seed)] = run_one(cfg, os.path.join(a.workdir, f"{m}_s{seed}"), exp, stream,
                                          tokenizer)
@@ -224,6 +311,7 @@ def main(argv=None):
                                                                        else sys.argv[1:]),
             "commit": _git_commit(), "seeds": seeds, "preset": a.preset, "steps": base.train.steps,
             "wall_seconds": time.time() - t_start, "cpus": os.cpu_count(),
+            "passkey_min_length": length_eval.passkey_min_length(tokenizer),
             "model": f"d_model {m.d_model}, {m.num_layers} layers, {m.num_heads} heads of {m.head_dim}, "
                      f"SwiGLU {m.ffn_dim}, batch {base.train.batch_size} x {L}, lr {base.train.lr}; "
                      f"FoPE gain {m.fope.init_gain}, fixed, pad-sin {m.fope.pad_sin_value}"}

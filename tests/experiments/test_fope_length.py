@@ -34,3 +34,32 @@ def test_fope_length_tiny_outputs(tmp_path, monkeypatch):
     before = os.path.getmtime(ev)
     main([f"--workdir={wd}", "--preset=tiny"])
     assert os.path.getmtime(ev) == before
+
+
+def test_passkey_mix_corpus(tmp_path, monkeypatch):
+    """The passkey training mix: eval-format documents within L, works all in 'train', deterministic."""
+    import re
+
+    from experiments.fope_length.__main__ import passkey_mix_corpus
+    from icml_jax.analysis import length_eval
+    from icml_jax.config_utils import load_config
+    from icml_jax.data import build_tokenizer, get_split_source
+    from icml_jax.data.text_files import assign_splits
+    monkeypatch.setenv("TFDS_DATA_DIR", str(tmp_path / "tfds"))
+    cfg = load_config("configs/fope.py:default")
+    tok = build_tokenizer(cfg.data.tokenizer)
+    L = cfg.data.seq_len
+    paths = [passkey_mix_corpus(str(tmp_path / d), cfg.data, tok, L, 0.002, 0) for d in ("a", "b")]
+    assert open(paths[0]).read() == open(paths[1]).read()  # deterministic in the seed
+    rows = [json.loads(line) for line in open(paths[0])]
+    works = [r["text"] for r in rows if r["kind"] == "shakespeare"]
+    assert len(works) == len(get_split_source(cfg.data, "train"))
+    splits = assign_splits([str(i) for i in range(1, len(rows) + 1)])
+    assert all(splits[str(i + 1)] == "train" for i, r in enumerate(rows) if r["kind"] == "shakespeare")
+    pk = [r["text"] for r in rows if r["kind"] == "passkey"]
+    assert len(pk) > 10
+    q = re.escape(length_eval.QUESTION)
+    for text in pk:
+        assert length_eval.passkey_min_length(tok) <= len(tok.encode(text)) + 1 <= L  # + bos
+        key = re.search(q + r"(\d{5})$", text).group(1)
+        assert length_eval.NEEDLE.format(key=key) in text
