@@ -64,9 +64,10 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> tupl
     return shape
 
 
-def make_train_step(task, tx, grad_accum: int):
+def make_train_step(task, tx, grad_accum: int, schedule=None):
     """(state, batch) -> (state, metrics). Loss and grads are token-weighted means over the whole
-    global batch, so gradient accumulation gives the same update as one big batch."""
+    global batch, so gradient accumulation gives the same update as one big batch. With an optax
+    ``schedule``, the metrics carry the learning rate this step used (computed on device)."""
 
     def loss_and_grad(params, batch):
         def f(p):
@@ -98,6 +99,8 @@ def make_train_step(task, tx, grad_accum: int):
         rng = jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state.rng))[0])
         metrics = {"loss": lsum / denom, "grad_norm": optax.global_norm(grads), "tokens": n}
         metrics.update({k: v / denom for k, v in msums.items()})
+        if schedule is not None:
+            metrics["lr"] = schedule(state.step)
         return TrainState(state.step + 1, params, opt_state, rng), metrics
 
     return step_fn
@@ -184,21 +187,20 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         return jax.tree.map(lambda x: jax.make_array_from_process_local_data(batch_sharding, x), b)
 
     with mesh, nn.logical_axis_rules(rules):
-        train_step = jax.jit(make_train_step(task, tx, t.grad_accum),
+        train_step = jax.jit(make_train_step(task, tx, t.grad_accum, lr_schedule(t)),
                              in_shardings=(state_shardings, batch_sharding),
                              out_shardings=(state_shardings, None), donate_argnums=0)
         eval_step = jax.jit(make_eval_step(task), in_shardings=(state_shardings.params, batch_sharding))
     eval_batches = task.eval_batches("validation")
     writer = MetricsWriter(workdir, start, enabled=is_main)
     flops_per_token = train_flops_per_token(config.model, config.data.seq_len)
-    schedule = lr_schedule(t)
     pending, window_start = [], time.time()
     bar = tqdm(total=t.steps, initial=start, disable=not (is_main and t.progress), unit="step",
                dynamic_ncols=True)
     last_good = start if restored is not None else None
     summary = {"params": int(n_params), "start_step": int(start)}
 
-    def flush(step):
+    def flush():
         """Fetches the queued step metrics, stops on a non-finite loss, writes the lines."""
         nonlocal pending, window_start
         rows = jax.device_get([m for _, m in pending])
@@ -213,7 +215,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                     f"loss became {float(r['loss'])} at step {s}; training stopped, {where}. "
                     "Lower config.train.lr, raise config.train.warmup_steps or check the data.")
             line = {k: float(v) for k, v in r.items()}
-            line.update(lr=float(schedule(s - 1)), tokens_per_sec=tok_s,
+            line.update(tokens_per_sec=tok_s,
                         model_tflops_per_sec=tok_s * flops_per_token / 1e12)
             writer.write(s, line)
         if rows:
@@ -231,7 +233,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             do_eval = s % t.eval_every == 0 or s == t.steps
             do_ckpt = s % t.checkpoint_every == 0 or s == t.steps
             if s % t.log_every == 0 or do_eval or do_ckpt:
-                flush(s)
+                flush()
             if do_eval:
                 ev = evaluate(eval_step, state.params, eval_batches, to_global)
                 writer.write(s, ev)
@@ -241,7 +243,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             if do_ckpt:
                 ckpt.save(s, state, data_iter, _config_dict(config))
                 last_good = s
-        flush(t.steps)
+        flush()
     finally:
         bar.close()
         ckpt.close()

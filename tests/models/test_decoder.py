@@ -55,27 +55,6 @@ def test_causality_through_gradients(tiny_config):
         assert np.all(norms[: t + 1] > 0.0), f"past tokens do not influence position {t}: {norms}"
 
 
-def test_packing_isolation(tiny_config):
-    """Two documents packed in one row give the same logits as each run alone."""
-    model, params, _ = _init(tiny_config)
-    r = np.random.RandomState(0)
-    a, b = r.randint(3, 259, 7), r.randint(3, 259, 9)
-    row = np.concatenate([a, b])[None]
-    seg = np.array([[1] * 7 + [2] * 9])
-    pos = np.array([list(range(7)) + list(range(9))])
-    packed = model.apply({"params": params}, row, pos, seg)[0]
-    alone_a = model.apply({"params": params}, a[None])[0]
-    alone_b = model.apply({"params": params}, b[None])[0]
-    chex.assert_trees_all_close(packed[:7], alone_a, atol=1e-5)
-    chex.assert_trees_all_close(packed[7:], alone_b, atol=1e-5)
-    # and changing document a does not change document b's logits
-    row2 = row.copy()
-    row2[0, :7] = r.randint(3, 259, 7)
-    packed2 = model.apply({"params": params}, row2, pos, seg)[0]
-    chex.assert_trees_all_close(packed2[7:], packed[7:], atol=1e-6)
-    assert not np.allclose(packed2[:7], packed[:7])
-
-
 @pytest.mark.parametrize("tie", [True, False])
 def test_param_count_formula(tiny_config, tie):
     tiny_config.model.tie_embeddings = tie
@@ -120,7 +99,8 @@ def test_bfloat16_compute_keeps_float32_logits(tiny_config):
     chex.assert_type(logits, jnp.float32)
     tiny_config.model.dtype = "float32"
     ref = build_model(tiny_config.model).apply({"params": params}, tokens)
-    assert float(jnp.max(jnp.abs(logits - ref))) < 0.1
+    diff = float(jnp.max(jnp.abs(logits - ref)))
+    assert 0.0 < diff < 0.1, diff  # bf16 really was used for compute, and stays close to fp32
 
 
 def test_rope_scores_depend_only_on_relative_position():

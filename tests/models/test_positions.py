@@ -329,6 +329,12 @@ def test_packed_rows_equal_documents_alone(position):
     packed = model.apply({"params": params}, row, pos, seg)[0]
     chex.assert_trees_all_close(packed[:7], model.apply({"params": params}, a[None])[0], atol=1e-5)
     chex.assert_trees_all_close(packed[7:], model.apply({"params": params}, b[None])[0], atol=1e-5)
+    # changing the first document leaves the second one's logits untouched
+    row2 = row.copy()
+    row2[0, :7] = r.randint(3, 259, 7)
+    packed2 = model.apply({"params": params}, row2, pos, seg)[0]
+    chex.assert_trees_all_close(packed2[7:], packed[7:], atol=1e-6)
+    assert not np.allclose(packed2[:7], packed[:7])
 
 
 @pytest.mark.parametrize("position", METHODS)

@@ -27,11 +27,13 @@ def _run(accum, steps=3):
     tx = make_optimizer(c.train)
     mesh, rules = mesh_lib.make_mesh(c.mesh), mesh_lib.logical_rules(c.mesh)
     state, _ = create_sharded_state(task, tx, c, mesh, rules)
-    step = jax.jit(make_train_step(task, tx, accum))
+    schedule = lr_schedule(c.train)
+    step = jax.jit(make_train_step(task, tx, accum, schedule))
     losses = []
     for i in range(steps):
         state, m = step(state, _batch(c.train.batch_size, c.data.seq_len, seed=i))
         losses.append(float(m["loss"]))
+        np.testing.assert_allclose(float(m["lr"]), float(schedule(i)), rtol=1e-6)
     return state, losses
 
 
