@@ -36,6 +36,8 @@ bench: $(FULL_STAMP)
 	$(PY) -m benchmarks.train_throughput
 	$(PY) -m benchmarks.decode_speed
 	$(PY) -m benchmarks.position_cost
+	$(PY) -m benchmarks.rmt_cost
+	$(PY) -m benchmarks.sparse_ffn
 
 clean:
 	rm -rf $(VENV) runs

@@ -49,8 +49,20 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.qkv_bias = False  # Qwen2-style biases on the q/k/v projections
     c.model.sliding_window = 0  # 0 = off; else a key is visible only if q_pos - k_pos < window
     c.model.mlp = ml_collections.ConfigDict()
-    c.model.mlp.activation = "swiglu"  # registry: icml_jax.models.mlp
-    c.model.residual = "standard"  # registry: icml_jax.models.residual
+    # registry icml_jax.models.mlp: swiglu | relu_glu | relu | relu2 | gelu | gelu_tanh
+    c.model.mlp.activation = "swiglu"
+    c.model.mlp.sparse_compare = "lt"  # sparse inference zeroes |a| < t/||w|| (reference); "le": <=
+    c.model.residual = "standard"  # registry icml_jax.models.residual: standard | rmt
+    # Residual Matrix Transformer (residual="rmt"; specs/rmt.md). It reuses num_layers (L),
+    # num_heads (R, = num_kv_heads), head_dim (Dv), ffn_dim (N_ff), vocab_size; d_model is unused.
+    c.model.rmt = ml_collections.ConfigDict()
+    c.model.rmt.key_dim = 32  # Dk: the residual is a Dk x Dv matrix per token
+    c.model.rmt.position = "alibi"  # alibi (reference) | learned (paper App. C.1)
+    c.model.rmt.norm = "rms_matrix"  # rms_matrix: RMS over all Dk*Dv entries (reference) | layernorm
+    c.model.rmt.inverse_layer_scaling = True  # attention logits / (layer + 1) (reference)
+    c.model.rmt.param = "mup"  # mup (reference, zero unembedding) | lecun (paper variant study)
+    c.model.rmt.query_zero_init = False  # reference's zeroing is a no-op; True applies it
+    c.model.rmt.flops_vocab_term = "RV"  # RV reproduces the paper's totals | RVDv (as printed)
     c.model.dtype = "float32"  # compute dtype: float32 | bfloat16
     c.model.param_dtype = "float32"
     c.model.remat = "none"  # none | full | dots (save matmul outputs)
@@ -78,6 +90,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.b2 = 0.95
     c.train.eps = 1e-8
     c.train.clip_norm = 1.0
+    c.train.z_loss = 0.0  # coefficient of mean (log Z)^2 added to the loss (RMT reference: 1e-4)
     c.train.log_every = 10
     c.train.eval_every = 200
     c.train.eval_batches = 8

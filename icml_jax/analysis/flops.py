@@ -7,12 +7,18 @@ of the full T x T product; norms, softmax, rotary and the optimizer are not coun
 import ml_collections
 
 
+def _mlp_matrices(m) -> int:
+    """3 kernels [D, F] for gated MLPs (gate, up, down), 2 for plain ones."""
+    from icml_jax.models.mlp import is_gated
+    return 3 if is_gated(m.mlp.activation) else 2
+
+
 def param_count(m: ml_collections.ConfigDict) -> int:
     """Exact number of parameters of ``Decoder(m)`` with the standard residual stream."""
     D, L, H, G, K, F, V = (m.d_model, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim,
                            m.ffn_dim, m.vocab_size)
     attn = D * (H + 2 * G) * K + H * K * D
-    mlp = 3 * D * F
+    mlp = _mlp_matrices(m) * D * F
     norms = 2 * D
     io = V * D + D + (0 if m.tie_embeddings else D * V)
     from icml_jax.models.positions import position_param_count  # FoPE coefficients
@@ -24,7 +30,7 @@ def matmul_params(m: ml_collections.ConfigDict) -> int:
     includes the output projection, tied or not)."""
     D, L, H, G, K, F, V = (m.d_model, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim,
                            m.ffn_dim, m.vocab_size)
-    return L * (D * (H + 2 * G) * K + H * K * D + 3 * D * F) + D * V
+    return L * (D * (H + 2 * G) * K + H * K * D + _mlp_matrices(m) * D * F) + D * V
 
 
 def train_flops_per_token(m: ml_collections.ConfigDict, seq_len: int) -> float:

@@ -51,7 +51,7 @@ class Decoder(nn.Module):
         h = io(tokens_BT)
         block = _block_class(c)
         if c.scan_layers:
-            stack = nn.scan(block, variable_axes={"params": 0, "intermediates": 0, "cache": 0},
+            stack = nn.scan(block, variable_axes={"params": 0, "intermediates": 0, "cache": 0, "sparsity": 0},
                             split_rngs={"params": True}, in_axes=(nn.broadcast, nn.broadcast),
                             length=c.num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
             h, _ = stack(c, self.decode, name="layers")(h, positions_BT, segment_ids_BT)

@@ -1,9 +1,34 @@
 """Feed-forward blocks, chosen by `config.model.mlp.activation`.
 
+Axis letters: B batch, T length, D model width (the MLP's input/output width), F ffn hidden.
+
 An MLP maps x [B, T, D] -> (y [B, T, D], acts [B, T, F]) where ``acts`` are the per-neuron
-activations that multiply W_down (the gated product for GLU variants), exposed for sparsity
-analysis; returning them does not change the forward numerics.
+activations a_j that multiply row j of W_down (the gated product act(gate)*up for GLU variants,
+act(W_in x) otherwise), exposed for sparsity analysis; returning them does not change the forward
+numerics.
+
+Registered activations (spec ``specs/sparsity_cett.md``; the Sparsing Law paper compares the first
+two at identical settings):
+  ``swiglu``    silu(x W_gate) * (x W_up)           gated   (Llama; HF-exportable)
+  ``relu_glu``  relu(x W_gate) * (x W_up)           gated   (ReLU-GLU, the sparse-activation LLM FFN)
+  ``relu``      relu(x W_in)                        plain
+  ``relu2``     relu(x W_in)^2                      plain   (squared ReLU)
+  ``gelu``      gelu(x W_in), exact erf form        plain   (HF ``gelu``)
+  ``gelu_tanh`` gelu(x W_in), tanh approximation    plain   (GPT-2 / the RMT reference FFN)
+Gated kernels are stored fused as ``wi`` [D, 2, F] (gate, then up); plain ones as ``wi`` [D, F];
+the down projection is ``wo`` [F, D]. No biases.
+
+Sparse inference. When the ``sparsity`` variable collection is passed to ``apply`` (see
+``icml_jax.analysis.sparsity``) each MLP zeroes neurons before W_down:
+  ``threshold``       t (float32 scalar, per layer): neuron j is zeroed iff |a_j| < t / ||W_down[j]||
+                      (the reference's CETT rule; ``config.model.mlp.sparse_compare="le"`` uses <=);
+  ``gate_threshold``  e (scalar or broadcastable to [B, T, 1]): zeroed iff |act(gate_j)| < e (FAT-e
+                      and top-k baselines; for plain MLPs the gate is the activation itself).
+The MLP then sows ``intermediates/mlp_keep`` (float32 [B, T, F], 1 = kept). With neither variable
+present the module is the dense MLP, bit for bit.
 """
+from typing import Callable, Optional
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -15,21 +40,103 @@ from icml_jax.registry import Registry
 ACTIVATIONS = Registry("MLP activation", "config.model.mlp.activation")
 
 
-@ACTIVATIONS.register("swiglu")
-class GatedMLP(nn.Module):
-    """GLU MLP with one fused gate/up matmul ([D, 2, F]) and a down projection."""
+def _keep_mask(module, acts_BTF, gate_BTF, w_FD):
+    """Keep mask (bool [B, T, F]) from the ``sparsity`` collection, or None when it is absent."""
+    has_t = module.has_variable("sparsity", "threshold")
+    has_g = module.has_variable("sparsity", "gate_threshold")
+    if not (has_t or has_g):
+        return None
+    le = module.cfg.mlp.get("sparse_compare", "lt")
+    if le not in ("lt", "le"):
+        raise ValueError(f"config.model.mlp.sparse_compare={le!r}; choose 'lt' (reference) or 'le'")
+    below = (lambda x, t: x <= t) if le == "le" else (lambda x, t: x < t)
+    keep = jnp.ones(acts_BTF.shape, bool)
+    if has_t:
+        t = module.get_variable("sparsity", "threshold").astype(jnp.float32)
+        col_norm_F = jnp.linalg.norm(w_FD.astype(jnp.float32), axis=1)
+        keep &= ~below(jnp.abs(acts_BTF.astype(jnp.float32)), t / col_norm_F)
+    if has_g:
+        e = module.get_variable("sparsity", "gate_threshold").astype(jnp.float32)
+        keep &= ~below(jnp.abs(gate_BTF.astype(jnp.float32)), e)
+    return keep
+
+
+class _MLPBase(nn.Module):
+    """Shared fields: ``features`` overrides the input/output width (0 = config.model.d_model);
+    ``wi_init``/``wo_init`` override the normal(config.model.init_std) kernel inits (the RMT's
+    muP-style init uses this)."""
     cfg: ml_collections.ConfigDict
-    gate_fn = staticmethod(jax.nn.silu)
+    features: int = 0
+    wi_init: Optional[Callable] = None
+    wo_init: Optional[Callable] = None
+    gated = False
+
+    def kernels(self):
+        c = self.cfg
+        D = self.features or c.d_model
+        pdt = get_dtype(c.param_dtype, "config.model.param_dtype")
+        default = nn.initializers.normal(c.init_std)
+        if self.gated:
+            wi = param(self, "wi", self.wi_init or default, (D, 2, c.ffn_dim), ("embed", None, "mlp"), pdt)
+        else:
+            wi = param(self, "wi", self.wi_init or default, (D, c.ffn_dim), ("embed", "mlp"), pdt)
+        wo = param(self, "wo", self.wo_init or default, (c.ffn_dim, D), ("mlp", "embed"), pdt)
+        return wi, wo
+
+    def gate_and_acts(self, x_BTD, wi):
+        """(act(gate) [B, T, F], a [B, T, F]) in the compute dtype."""
+        raise NotImplementedError
 
     @nn.compact
     def __call__(self, x_BTD):
-        c = self.cfg
-        dt, pdt = get_dtype(c.dtype), get_dtype(c.param_dtype, "config.model.param_dtype")
-        init = nn.initializers.normal(c.init_std)
-        w_D2F = param(self, "wi", init, (c.d_model, 2, c.ffn_dim), ("embed", None, "mlp"), pdt)
-        w_FD = param(self, "wo", init, (c.ffn_dim, c.d_model), ("mlp", "embed"), pdt)
-        h_BT2F = jnp.einsum("BTD,DCF->BTCF", x_BTD.astype(dt), w_D2F.astype(dt))
-        acts_BTF = self.gate_fn(h_BT2F[:, :, 0]) * h_BT2F[:, :, 1]
+        dt = get_dtype(self.cfg.dtype)
+        wi, w_FD = self.kernels()
+        gate_BTF, acts_BTF = self.gate_and_acts(x_BTD.astype(dt), wi.astype(dt))
         acts_BTF = constrain(acts_BTF, ("batch", "length", "act_mlp"))
-        y_BTD = jnp.einsum("BTF,FD->BTD", acts_BTF, w_FD.astype(dt))
+        used_BTF = acts_BTF
+        keep = _keep_mask(self, acts_BTF, gate_BTF, w_FD)
+        if keep is not None:
+            self.sow("intermediates", "mlp_keep", keep.astype(jnp.float32))
+            used_BTF = jnp.where(keep, acts_BTF, jnp.zeros_like(acts_BTF))
+        y_BTD = jnp.einsum("BTF,FD->BTD", used_BTF, w_FD.astype(dt))
         return y_BTD, acts_BTF
+
+
+class GatedMLP(_MLPBase):
+    """GLU MLP with one fused gate/up matmul ([D, 2, F]) and a down projection."""
+    gated = True
+    gate_fn = staticmethod(jax.nn.silu)
+
+    def gate_and_acts(self, x_BTD, w_D2F):
+        h_BT2F = jnp.einsum("BTD,DCF->BTCF", x_BTD, w_D2F)
+        gate_BTF = self.gate_fn(h_BT2F[:, :, 0])
+        return gate_BTF, gate_BTF * h_BT2F[:, :, 1]
+
+
+class PlainMLP(_MLPBase):
+    """Two-matrix MLP: a = act(x W_in), y = a W_out."""
+    act_fn = staticmethod(jax.nn.relu)
+
+    def gate_and_acts(self, x_BTD, w_DF):
+        a_BTF = self.act_fn(jnp.einsum("BTD,DF->BTF", x_BTD, w_DF))
+        return a_BTF, a_BTF
+
+
+def _plain(name, fn):
+    cls = type(f"{name.title().replace('_', '')}MLP", (PlainMLP,), {"act_fn": staticmethod(fn)})
+    ACTIVATIONS.register(name)(cls)
+    return cls
+
+
+ACTIVATIONS.register("swiglu")(GatedMLP)
+ReluGLU = ACTIVATIONS.register("relu_glu")(
+    type("ReluGLU", (GatedMLP,), {"gate_fn": staticmethod(jax.nn.relu)}))
+ReluMLP = _plain("relu", jax.nn.relu)
+Relu2MLP = _plain("relu2", lambda x: jnp.square(jax.nn.relu(x)))
+GeluMLP = _plain("gelu", lambda x: jax.nn.gelu(x, approximate=False))
+GeluTanhMLP = _plain("gelu_tanh", lambda x: jax.nn.gelu(x, approximate=True))
+
+
+def is_gated(activation: str) -> bool:
+    """True for the GLU variants (the ones with separate gate and up projections)."""
+    return bool(ACTIVATIONS.get(activation).gated)
