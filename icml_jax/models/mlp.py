@@ -22,10 +22,18 @@ Sparse inference. When the ``sparsity`` variable collection is passed to ``apply
 ``icml_jax.analysis.sparsity``) each MLP zeroes neurons before W_down:
   ``threshold``       t (float32 scalar, per layer): neuron j is zeroed iff |a_j| < t / ||W_down[j]||
                       (the reference's CETT rule; ``config.model.mlp.sparse_compare="le"`` uses <=);
-  ``gate_threshold``  e (scalar or broadcastable to [B, T, 1]): zeroed iff |act(gate_j)| < e (FAT-e
-                      and top-k baselines; for plain MLPs the gate is the activation itself).
-The MLP then sows ``intermediates/mlp_keep`` (float32 [B, T, F], 1 = kept). With neither variable
-present the module is the dense MLP, bit for bit.
+  ``gate_threshold``  e (scalar or broadcastable to [B, T, 1]): zeroed iff |act(gate_j)| < e (the
+                      FAT-e baseline; for plain MLPs the gate is the activation itself);
+  ``topk_zero``       n (int32 scalar): the top-k baseline as the reference runs it, inside the
+                      pass: the n smallest |act(gate)| entries of the whole [B, T, F] tensor are
+                      zeroed (ties: lower flat index first), then every entry with |act(gate)| <
+                      1e-18; ``token_mask`` (bool [B, T], optional) leaves padding out of the
+                      ranking (it is ranked last and never zeroed by the count);
+  ``topk_zero_per_token``  n (int32 scalar): the same ranking within each token's F entries.
+Variables combine by AND of the keep masks. The MLP then sows ``intermediates/mlp_keep`` (float32
+[B, T, F], 1 = kept). With no sparsity variable present the module is the dense MLP, bit for bit.
+Under ``scan_layers`` every variable carries a leading [L] axis (``analysis.sparsity`` builds the
+trees).
 """
 from typing import Callable, Optional
 
@@ -40,24 +48,45 @@ from icml_jax.registry import Registry
 ACTIVATIONS = Registry("MLP activation", "config.model.mlp.activation")
 
 
+SPARSITY_VARIABLES = ("threshold", "gate_threshold", "topk_zero", "topk_zero_per_token")
+TINY_GATE = 1e-18  # the reference's zero test after top-k zeroing: |gate| < 1e-18 counts as off
+
+
+def _rank_keep(abs_BTF, n_zero, per_token, token_mask_BT=None):
+    """True where an entry's ascending rank (stable: lower flat index first) is >= n_zero, ranking
+    within each token (``per_token``) or over the whole tensor (padding tokens ranked last)."""
+    if per_token:
+        return jnp.argsort(jnp.argsort(abs_BTF, axis=-1, stable=True), axis=-1, stable=True) >= n_zero
+    if token_mask_BT is not None:
+        abs_BTF = jnp.where(token_mask_BT[..., None], abs_BTF, jnp.inf)
+    flat = abs_BTF.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    ranks = jnp.zeros(flat.shape, jnp.int32).at[order].set(jnp.arange(flat.size, dtype=jnp.int32))
+    return (ranks >= n_zero).reshape(abs_BTF.shape)
+
+
 def _keep_mask(module, acts_BTF, gate_BTF, w_FD):
     """Keep mask (bool [B, T, F]) from the ``sparsity`` collection, or None when it is absent."""
-    has_t = module.has_variable("sparsity", "threshold")
-    has_g = module.has_variable("sparsity", "gate_threshold")
-    if not (has_t or has_g):
+    present = [n for n in SPARSITY_VARIABLES if module.has_variable("sparsity", n)]
+    if not present:
         return None
+    get = lambda n: module.get_variable("sparsity", n)  # noqa: E731
     le = module.cfg.mlp.get("sparse_compare", "lt")
     if le not in ("lt", "le"):
         raise ValueError(f"config.model.mlp.sparse_compare={le!r}; choose 'lt' (reference) or 'le'")
     below = (lambda x, t: x <= t) if le == "le" else (lambda x, t: x < t)
+    abs_gate = jnp.abs(gate_BTF.astype(jnp.float32))
     keep = jnp.ones(acts_BTF.shape, bool)
-    if has_t:
-        t = module.get_variable("sparsity", "threshold").astype(jnp.float32)
+    if "threshold" in present:
+        t = get("threshold").astype(jnp.float32)
         col_norm_F = jnp.linalg.norm(w_FD.astype(jnp.float32), axis=1)
         keep &= ~below(jnp.abs(acts_BTF.astype(jnp.float32)), t / col_norm_F)
-    if has_g:
-        e = module.get_variable("sparsity", "gate_threshold").astype(jnp.float32)
-        keep &= ~below(jnp.abs(gate_BTF.astype(jnp.float32)), e)
+    if "gate_threshold" in present:
+        keep &= ~below(abs_gate, get("gate_threshold").astype(jnp.float32))
+    for name, per_token in (("topk_zero", False), ("topk_zero_per_token", True)):
+        if name in present:
+            mask = get("token_mask").astype(bool) if module.has_variable("sparsity", "token_mask") else None
+            keep &= _rank_keep(abs_gate, get(name), per_token, mask) & (abs_gate >= TINY_GATE)
     return keep
 
 
