@@ -559,9 +559,10 @@ def silu_law(D, alpha: float, c: float, A0: float):
 
 
 def _line(x, y):
-    """Least-squares slope and intercept of y on x."""
-    slope, icpt = np.polyfit(x, y, 1)
-    return float(slope), float(icpt)
+    """Least-squares slope and intercept of y on x (closed form)."""
+    xm, ym = x.mean(), y.mean()
+    slope = float(np.sum((x - xm) * (y - ym)) / np.sum((x - xm) ** 2))
+    return slope, float(ym - slope * xm)
 
 
 def _check_fit_data(D, A):
@@ -570,6 +571,8 @@ def _check_fit_data(D, A):
         raise ValueError(f"need matching D and A with >= 4 points; got {D.shape} and {A.shape}")
     if np.any(D <= 0) or not np.all(np.isfinite(A)):
         raise ValueError("D must be > 0 (billions of tokens) and A finite")
+    if np.unique(D).size < 2:
+        raise ValueError("D needs at least two distinct values")
     return D, A
 
 
@@ -580,14 +583,17 @@ def _sse(f, D, A, *params):
     return s if np.isfinite(s) else np.inf
 
 
-def _polish(f, D, A, p0, keys):
-    """Levenberg-Marquardt refinement on A itself; keeps p0 unless it lowers the error."""
-    from scipy.optimize import curve_fit
+def _polish(f, D, A, p0, keys, valid):
+    """Levenberg-Marquardt (``curve_fit``) refinement on A itself, kept only when it lowers the
+    squared error and the parameters stay ``valid`` (the form's constraints)."""
+    from scipy.optimize import OptimizeWarning, curve_fit
+    import warnings
     best = np.asarray(p0, np.float64)
     try:
-        with np.errstate(all="ignore"):
+        with np.errstate(all="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", OptimizeWarning)
             popt, _ = curve_fit(f, D, A, p0=best, method="lm", maxfev=40000)
-        if _sse(f, D, A, *popt) < _sse(f, D, A, *best):
+        if valid(*popt) and _sse(f, D, A, *popt) < _sse(f, D, A, *best):
             best = popt
     except (RuntimeError, ValueError):
         pass
@@ -598,49 +604,48 @@ def _polish(f, D, A, p0, keys):
 
 
 def fit_silu_law(D, A) -> dict:
-    """Fit A = -c * D^(-alpha) + A0: for each A0 > max A the line ln(A0 - A) = -alpha ln D + ln c
-    by least squares; A0 by a bounded search on the squared error of A; then LM polish.
-    Returns {"alpha", "c", "A0", "mse", "mae"}."""
+    """Fit A = -c * D^(-alpha) + A0 (D in billions): for each A0 > max A the line
+    ln(A0 - A) = -alpha ln D + ln c by least squares; A0 by a bounded search on the squared error
+    of A; then LM polish. Returns {"alpha", "c", "A0", "mse", "mae"}."""
     from scipy.optimize import minimize_scalar
     D, A = _check_fit_data(D, A)
-    x = np.log(D)
+    x, top, span = np.log(D), float(A.max()), max(float(np.ptp(A)), 1e-12)
 
-    def given(A0):
+    def given(z):  # A0 = max A + span * exp(z)
+        A0 = top + span * math.exp(z)
         slope, icpt = _line(x, np.log(A0 - A))
-        return -slope, math.exp(icpt)
+        return -slope, math.exp(icpt), A0
 
-    span = max(float(A.max() - A.min()), 1e-12)
-    lo, hi = float(A.max()) + 1e-9 * span, float(A.max()) + 10 * span
-    res = minimize_scalar(lambda A0: _sse(silu_law, D, A, *given(A0), A0), bounds=(lo, hi),
-                          method="bounded", options={"xatol": 1e-12 * max(1.0, abs(hi))})
-    alpha, c = given(res.x)
-    return _polish(silu_law, D, A, (alpha, c, res.x), ("alpha", "c", "A0"))
+    grid = np.linspace(-12.0, 6.0, 73)
+    z = grid[int(np.argmin([_sse(silu_law, D, A, *given(g)) for g in grid]))]
+    res = minimize_scalar(lambda g: _sse(silu_law, D, A, *given(g)), bounds=(z - 0.25, z + 0.25),
+                          method="bounded", options={"xatol": 1e-10})
+    return _polish(silu_law, D, A, given(res.x), ("alpha", "c", "A0"),
+                   lambda a, c, A0: a > 0 and c > 0 and A0 > top)
 
 
 def fit_relu_law(D, A) -> dict:
-    """Fit A = exp(-c * D^alpha + b) + A0: for each (A0 < min A, b > max ln(A - A0)) the line
-    ln(b - ln(A - A0)) = alpha ln D + ln c by least squares; (A0, b) by a Nelder-Mead search on the
-    squared error of A (several starts); then LM polish. Returns {"alpha", "b", "c", "A0", "mse", "mae"}."""
+    """Fit A = exp(-c * D^alpha + b) + A0 (D in billions): for each (0 < A0 < min A,
+    b > max ln(A - A0)) the line ln(b - ln(A - A0)) = alpha ln D + ln c by least squares;
+    (A0, b) from a coarse grid then Nelder-Mead on the squared error of A; then LM polish.
+    Returns {"alpha", "b", "c", "A0", "mse", "mae"}."""
     from scipy.optimize import minimize
     D, A = _check_fit_data(D, A)
-    x = np.log(D)
-    span = max(float(A.max() - A.min()), 1e-12)
+    x, low = np.log(D), float(A.min())
+    if low <= 0:
+        raise ValueError(f"the ReLU law needs activation ratios A > 0; min A = {low}")
 
-    def unpack(z):
-        """(A0, b) from unconstrained z: A0 = min A - span*exp(z0), b = max ln(A - A0) + exp(z1)."""
-        A0 = float(A.min()) - span * math.exp(z[0])
-        return A0, float(np.log(A - A0).max()) + math.exp(z[1])
-
-    def given(z):
-        A0, b = unpack(z)
+    def given(z):  # A0 = min A * sigmoid(z0), b = max ln(A - A0) + exp(z1)
+        A0 = low / (1.0 + math.exp(-z[0]))
+        b = float(np.log(A - A0).max()) + math.exp(z[1])
         alpha, icpt = _line(x, np.log(b - np.log(A - A0)))
         return alpha, b, math.exp(icpt), A0
 
-    best = None
-    for z0 in (-6.0, -3.0, -1.0, 1.0):
-        for z1 in (-3.0, 0.0, 1.5):
-            r = minimize(lambda z: _sse(relu_law, D, A, *given(z)), np.array([z0, z1]),
-                         method="Nelder-Mead", options={"xatol": 1e-10, "fatol": 1e-20, "maxiter": 4000})
-            if best is None or r.fun < best.fun:
-                best = r
-    return _polish(relu_law, D, A, given(best.x), ("alpha", "b", "c", "A0"))
+    loss = lambda z: _sse(relu_law, D, A, *given(z))  # noqa: E731
+    starts = sorted(((loss((z0, z1)), (z0, z1)) for z0 in np.linspace(-4, 10, 15)
+                     for z1 in np.linspace(-6, 3, 10)), key=lambda t: t[0])[:3]
+    best = min((minimize(loss, np.array(z), method="Nelder-Mead",
+                         options={"xatol": 1e-9, "fatol": 1e-22, "maxiter": 3000}) for _, z in starts),
+               key=lambda r: r.fun)
+    return _polish(relu_law, D, A, given(best.x), ("alpha", "b", "c", "A0"),
+                   lambda a, b, c, A0: a > 0 and c > 0 and 0 <= A0 < low)
