@@ -1,0 +1,174 @@
+"""Decode-time sparse gated FFN for batch-1 decoding: compute only the neurons that can survive.
+
+Axis letters: D model width, F ffn hidden, C capacity (static number of gathered neurons).
+
+The dense reference is ``icml_jax.models.mlp`` with the ``sparsity`` collection: for a gated FFN
+(``relu_glu`` or ``swiglu``) a = act(x W_gate) * (x W_up), neuron j is zeroed iff
+|a_j| < t / ||W_down[j]|| (``compare="le"``: <=; optionally also iff |act(g_j)| < e, the FAT-e rule),
+and y = a_kept W_down. This module computes the same y while touching only some rows of W_up and
+W_down, with static shapes under ``jax.jit``:
+
+1. g = act(x W_gate), dense (D*F multiply-adds).
+2. Candidates. Neuron j is provably zeroed (or contributes exactly 0) without computing u_j = x W_up[:, j]
+   when act(g_j) == 0, or when the Cauchy-Schwarz bound |a_j| <= |act(g_j)| ||x|| ||W_up[:, j]||
+   (inflated by ``BOUND_MARGIN`` against float rounding) is already below t / ||W_down[j]||, or when
+   the FAT-e gate rule zeroes it. Every other neuron is a candidate.
+3. ``jnp.nonzero(candidates, size=capacity)`` gives C indices; the C rows of W_up^T and W_down
+   (stored side by side as one [F, 2, D] array so one gather reads both) are gathered,
+   u_C = W_up^T[idx] x, a_C = act(g)[idx] * u_C, the exact threshold rule is applied to a_C, and
+   y = a_C W_down[idx] (2*D*C multiply-adds).
+4. If there are more candidates than ``capacity``, ``lax.cond`` runs the dense masked computation
+   instead, so the output equals the masked dense MLP in every case (up to float summation order).
+
+What is saved, honestly: only the up and down projections of non-candidate neurons. The gate
+projection is always computed densely, so at activation ratio r (and capacity ~ r*F) the FFN costs
+D*F + 2*D*C instead of 3*D*F multiply-adds: at most 3x fewer, e.g. 2.6x at r = 6.5%, before the cost
+of the gather and the compare. For ReLU-GLU the candidates are essentially the neurons with a
+positive gate (the bound prunes a few more); for SwiGLU silu(g) is almost never 0 and the
+Cauchy-Schwarz bound is loose (|u_j| is typically ~sqrt(D) times smaller than it), so most neurons
+stay candidates and the dense fallback usually runs. The paper's 4.1x speed-up at 93.5% sparsity
+(2.4B ReLU model) additionally skips the gate rows with an activation *predictor* (a small network
+that guesses the active set before the gate is computed); that is approximate, not exact, and is
+not implemented here (``predicted_ffn`` is the gather-everything kernel such a predictor would
+feed, used by ``benchmarks/sparse_ffn.py`` as an upper bound).
+
+Batch 1 only: under ``vmap`` the ``lax.cond`` becomes a select and both branches would run.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+BOUND_MARGIN = 1e-3  # relative slack on the Cauchy-Schwarz bound (float32 dot-product rounding)
+
+_GATE_FNS = {"relu_glu": jax.nn.relu, "swiglu": jax.nn.silu}
+
+
+class SparseFFNWeights(NamedTuple):
+    """One gated FFN laid out for gathers (``prepare``)."""
+    w_gate_FD: jax.Array  # [F, D]: row j = W_gate[:, j]
+    w_updown_F2D: jax.Array  # [F, 2, D]: row j = (W_up[:, j], W_down[j])
+    down_norm_F: jax.Array  # float32 [F]: ||W_down[j]|| (the CETT rule's column norm)
+    up_norm_F: jax.Array  # float32 [F]: ||W_up[:, j]||
+
+
+def prepare(mlp_params: dict) -> SparseFFNWeights:
+    """From an MLP's params ``{"wi": [D, 2, F] (gate, up), "wo": [F, D]}`` (``models/mlp.py``)."""
+    mlp_params = nn.meta.unbox(mlp_params)
+    shapes = {k: tuple(jnp.shape(v)) for k, v in mlp_params.items()}
+    if set(shapes) != {"wi", "wo"} or len(shapes["wi"]) != 3:
+        raise ValueError("sparse_ffn.prepare needs a gated MLP's params {'wi': [D, 2, F], 'wo': [F, D]}, "
+                         f"got {shapes}")
+    wi, wo = jnp.asarray(mlp_params["wi"]), jnp.asarray(mlp_params["wo"])
+    w_up_FD = wi[:, 1, :].T
+    return SparseFFNWeights(
+        w_gate_FD=wi[:, 0, :].T, w_updown_F2D=jnp.stack([w_up_FD, wo], axis=1),
+        down_norm_F=jnp.linalg.norm(wo.astype(jnp.float32), axis=1),
+        up_norm_F=jnp.linalg.norm(w_up_FD.astype(jnp.float32), axis=1))
+
+
+def _gate_fn(activation: str):
+    if activation not in _GATE_FNS:
+        raise ValueError(f"sparse_ffn supports the gated activations {sorted(_GATE_FNS)}, got "
+                         f"{activation!r}")
+    return _GATE_FNS[activation]
+
+
+def _below(compare: str):
+    if compare not in ("lt", "le"):
+        raise ValueError(f"compare={compare!r}; choose 'lt' (reference) or 'le'")
+    return (lambda x, t: x <= t) if compare == "le" else (lambda x, t: x < t)
+
+
+def _keep(a, gate, down_norm, threshold, gate_threshold, below):
+    """The mlp.py rule on a subset of neurons: bool mask, True = kept."""
+    t = jnp.asarray(threshold, jnp.float32)
+    keep = ~below(jnp.abs(a.astype(jnp.float32)), t / down_norm)
+    if gate_threshold is not None:
+        keep &= ~below(jnp.abs(gate.astype(jnp.float32)), jnp.asarray(gate_threshold, jnp.float32))
+    return keep
+
+
+def dense_masked_ffn(w: SparseFFNWeights, x_D, threshold, *, activation: str, compare: str = "lt",
+                     gate_threshold=None):
+    """The masked dense FFN (all 3*D*F multiply-adds): y [D]."""
+    below = _below(compare)
+    g_F = _gate_fn(activation)(w.w_gate_FD @ x_D)
+    a_F = g_F * jnp.einsum("FD,D->F", w.w_updown_F2D[:, 0], x_D)
+    a_F = jnp.where(_keep(a_F, g_F, w.down_norm_F, threshold, gate_threshold, below), a_F, 0)
+    return jnp.einsum("F,FD->D", a_F, w.w_updown_F2D[:, 1])
+
+
+def predicted_ffn(w: SparseFFNWeights, x_D, idx_C, valid_C, threshold, *, activation: str,
+                  compare: str = "lt", gate_threshold=None):
+    """FFN over the neurons ``idx_C`` only (where ``valid_C``), gate included: 3*D*C multiply-adds.
+
+    What an activation predictor would run: exact iff every neuron that survives the threshold
+    rule is in the set. ``sparse_ffn`` calls it with the gate already computed."""
+    g_C = _gate_fn(activation)(jnp.take(w.w_gate_FD, idx_C, axis=0) @ x_D)
+    return _gathered(w, x_D, idx_C, valid_C, g_C, threshold, gate_threshold, _below(compare))
+
+
+def _gathered(w, x_D, idx_C, valid_C, g_C, threshold, gate_threshold, below):
+    rows_C2D = jnp.take(w.w_updown_F2D, idx_C, axis=0)
+    a_C = g_C * (rows_C2D[:, 0] @ x_D)
+    keep = valid_C & _keep(a_C, g_C, w.down_norm_F[idx_C], threshold, gate_threshold, below)
+    return jnp.where(keep, a_C, 0) @ rows_C2D[:, 1]
+
+
+def candidates(w: SparseFFNWeights, x_D, g_F, threshold, *, compare: str = "lt", gate_threshold=None):
+    """bool [F]: neurons not provably zeroed before their up projection is computed."""
+    below = _below(compare)
+    g32 = jnp.abs(g_F.astype(jnp.float32))
+    bound_F = g32 * jnp.linalg.norm(x_D.astype(jnp.float32)) * w.up_norm_F * (1 + BOUND_MARGIN)
+    cand = (g_F != 0) & ~below(bound_F, jnp.asarray(threshold, jnp.float32) / w.down_norm_F)
+    if gate_threshold is not None:
+        cand &= ~below(g32, jnp.asarray(gate_threshold, jnp.float32))
+    return cand
+
+
+def sparse_ffn(w: SparseFFNWeights, x_D, threshold, *, activation: str, capacity: int,
+               compare: str = "lt", gate_threshold=None, return_stats: bool = False):
+    """The masked FFN output y [D] (x_D: [D], or [1, D] / [1, 1, D] for one decoded token).
+
+    ``threshold`` is this layer's CETT threshold t (a scalar; 0 = dense); ``capacity`` (static) the
+    number of neurons gathered (choose it a little above the expected candidate count); more
+    candidates than that fall back to the dense masked computation. ``return_stats`` adds
+    ``{"candidates": int, "kept": int, "sparse": bool}``."""
+    shape = jnp.shape(x_D)
+    if jnp.size(x_D) != shape[-1]:
+        raise ValueError(f"sparse_ffn is for one token (batch 1): x has shape {shape}")
+    F = w.w_gate_FD.shape[0]
+    if not 0 < capacity <= F:
+        raise ValueError(f"capacity must be in [1, F={F}], got {capacity}")
+    x_D = jnp.reshape(x_D, (shape[-1],))
+    below = _below(compare)
+    g_F = _gate_fn(activation)(w.w_gate_FD @ x_D)
+    cand_F = candidates(w, x_D, g_F, threshold, compare=compare, gate_threshold=gate_threshold)
+    count = cand_F.sum()
+
+    def sparse(_):
+        (idx_C,) = jnp.nonzero(cand_F, size=capacity, fill_value=0)
+        valid_C = jnp.arange(capacity) < count
+        return _gathered(w, x_D, idx_C, valid_C, g_F[idx_C], threshold, gate_threshold, below)
+
+    def dense(_):
+        return dense_masked_ffn(w, x_D, threshold, activation=activation, compare=compare,
+                                gate_threshold=gate_threshold)
+
+    use_sparse = count <= capacity
+    y_D = jax.lax.cond(use_sparse, sparse, dense, None).reshape(shape)
+    if not return_stats:
+        return y_D
+    a_F = g_F * jnp.einsum("FD,D->F", w.w_updown_F2D[:, 0], x_D)  # stats only (dense)
+    kept = _keep(a_F, g_F, w.down_norm_F, threshold, gate_threshold, below).sum()
+    return y_D, {"candidates": count, "kept": kept, "sparse": use_sparse}
+
+
+def capacity_for(ratio: float, F: int, margin: float = 1.25, multiple: int = 8) -> int:
+    """A capacity for an expected candidate ratio: ``margin`` x ratio x F, rounded up to a multiple."""
+    c = int(-(-ratio * margin * F // multiple) * multiple)
+    return max(multiple, min(F, c))

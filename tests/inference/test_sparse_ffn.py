@@ -1,0 +1,137 @@
+"""The decode-time sparse FFN equals the masked dense MLP of models/mlp.py (sparsity collection)."""
+import functools
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+from absl.testing import parameterized
+
+from icml_jax.inference import sparse_ffn as sf
+from icml_jax.models.mlp import ACTIVATIONS
+
+D, F = 48, 256
+
+
+def _mlp(activation, compare="lt"):
+    cfg = ml_collections.ConfigDict(dict(
+        d_model=D, ffn_dim=F, dtype="float32", param_dtype="float32", init_std=0.2,
+        mlp=dict(activation=activation, sparse_compare=compare)))
+    module = ACTIVATIONS.get(activation)(ml_collections.FrozenConfigDict(cfg))
+    x = jax.random.normal(jax.random.key(1), (1, 1, D))
+    params = nn.meta.unbox(module.init(jax.random.key(0), x)["params"])
+    return module, params, x
+
+
+def _reference(module, params, x, t, gate_threshold=None):
+    sp = {"threshold": jnp.float32(t)}
+    if gate_threshold is not None:
+        sp["gate_threshold"] = jnp.float32(gate_threshold)
+    (y, acts), mut = module.apply({"params": params, "sparsity": sp}, x, mutable=["intermediates"])
+    return y[0, 0], acts[0, 0], mut["intermediates"]["mlp_keep"][0][0, 0] > 0
+
+
+def _threshold_keeping(acts_F, w_FD, frac):
+    """A CETT threshold t that keeps about ``frac`` of the neurons (n_j = |a_j| ||W_down[j]||)."""
+    n = np.abs(np.asarray(acts_F)) * np.linalg.norm(np.asarray(w_FD), axis=1)
+    return float(np.quantile(n, 1 - frac))
+
+
+class SparseFFNTest(parameterized.TestCase):
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.parameters(("relu_glu", 0.05, "lt"), ("relu_glu", 0.3, "le"), ("swiglu", 0.05, "lt"),
+                              ("swiglu", 0.3, "le"))
+    def test_equals_masked_dense_sparse_and_overflow(self, activation, frac, compare):
+        module, params, x = _mlp(activation, compare)
+        w = sf.prepare(params)
+        _, acts, _ = _reference(module, params, x, 0.0)
+        t = _threshold_keeping(acts, params["wo"], frac)
+        y_ref, _, keep_ref = _reference(module, params, x, t)
+        y_dense = module.apply({"params": params}, x)[0][0, 0]
+        assert float(jnp.abs(y_ref - y_dense).max()) > 1e-3  # the mask matters: the test has teeth
+        g = sf._gate_fn(activation)(w.w_gate_FD @ x[0, 0])
+        n_cand = int(sf.candidates(w, x[0, 0], g, t, compare=compare).sum())
+        assert n_cand < F  # the bound rules some neurons out at this threshold
+        for capacity, expect_sparse in ((n_cand, True), (max(n_cand - 1, 1), False), (F, True)):
+            fn = self.variant(functools.partial(sf.sparse_ffn, activation=activation, capacity=capacity,
+                                                compare=compare, return_stats=True))
+            y, stats = fn(w, x, t)
+            chex.assert_shape(y, x.shape)
+            assert bool(stats["sparse"]) == expect_sparse, (capacity, n_cand)
+            assert int(stats["candidates"]) == n_cand
+            assert int(stats["kept"]) == int(keep_ref.sum()) <= n_cand
+            chex.assert_trees_all_close(y[0, 0], y_ref, atol=2e-5, rtol=2e-5)
+
+    @parameterized.parameters("relu_glu", "swiglu")
+    def test_every_kept_neuron_is_a_candidate(self, activation):
+        """The Cauchy-Schwarz pre-filter never drops a neuron the threshold rule keeps."""
+        module, params, _ = _mlp(activation)
+        w = sf.prepare(params)
+        xs = jax.random.normal(jax.random.key(7), (64, D)) * jnp.linspace(0.1, 3, 64)[:, None]
+        ts = jnp.tile(jnp.geomspace(1e-4, 0.5, 8), 8)
+
+        def violations(x, t):
+            g = sf._gate_fn(activation)(w.w_gate_FD @ x)
+            a = g * (w.w_updown_F2D[:, 0] @ x)
+            kept = ~(jnp.abs(a) < t / w.down_norm_F)
+            return (kept & ~sf.candidates(w, x, g, t) & (a != 0)).sum(), (kept & (a != 0)).sum()
+
+        bad, kept = jax.vmap(violations)(xs, ts)
+        assert int(bad.sum()) == 0 and int(kept.sum()) > 0
+
+    def test_zero_threshold_is_dense_and_relu_skips_inactive(self):
+        module, params, x = _mlp("relu_glu")
+        w = sf.prepare(params)
+        y_dense = module.apply({"params": params}, x)[0][0, 0]
+        g = jax.nn.relu(w.w_gate_FD @ x[0, 0])
+        active = int((g > 0).sum())
+        assert active < F
+        y, stats = jax.jit(functools.partial(sf.sparse_ffn, activation="relu_glu", capacity=active,
+                                             return_stats=True))(w, x[0, 0], 0.0)
+        assert bool(stats["sparse"]) and int(stats["candidates"]) == active
+        chex.assert_trees_all_close(y, y_dense, atol=2e-5, rtol=2e-5)
+
+    def test_gate_threshold_rule(self):
+        module, params, x = _mlp("relu_glu")
+        w = sf.prepare(params)
+        _, acts, _ = _reference(module, params, x, 0.0)
+        t = _threshold_keeping(acts, params["wo"], 0.5)
+        e = float(np.quantile(np.asarray(jax.nn.relu(w.w_gate_FD @ x[0, 0])), 0.8))
+        y_ref, _, _ = _reference(module, params, x, t, gate_threshold=e)
+        y, stats = sf.sparse_ffn(w, x, t, activation="relu_glu", capacity=F // 4, gate_threshold=e,
+                                 return_stats=True)
+        assert bool(stats["sparse"])
+        chex.assert_trees_all_close(y[0, 0], y_ref, atol=2e-5, rtol=2e-5)
+
+    def test_predicted_ffn_with_the_true_active_set_is_exact(self):
+        module, params, x = _mlp("relu_glu")
+        w = sf.prepare(params)
+        _, acts, _ = _reference(module, params, x, 0.0)
+        t = _threshold_keeping(acts, params["wo"], 0.1)
+        y_ref, _, keep = _reference(module, params, x, t)
+        (idx,) = np.nonzero(np.asarray(keep))
+        cap = len(idx) + 3
+        idx_C = jnp.asarray(np.concatenate([idx, np.zeros(3, int)]))
+        y = sf.predicted_ffn(w, x[0, 0], idx_C, jnp.arange(cap) < len(idx), t, activation="relu_glu")
+        chex.assert_trees_all_close(y, y_ref, atol=2e-5, rtol=2e-5)
+
+    def test_bad_input_is_a_clear_error(self):
+        _, params, x = _mlp("relu_glu")
+        w = sf.prepare(params)
+        with pytest.raises(ValueError, match="gated activations"):
+            sf.sparse_ffn(w, x, 0.1, activation="gelu", capacity=8)
+        with pytest.raises(ValueError, match="batch 1"):
+            sf.sparse_ffn(w, jnp.zeros((2, D)), 0.1, activation="relu_glu", capacity=8)
+        with pytest.raises(ValueError, match="capacity"):
+            sf.sparse_ffn(w, x, 0.1, activation="relu_glu", capacity=0)
+        with pytest.raises(ValueError, match="gated MLP"):
+            sf.prepare({"wi": jnp.zeros((D, F)), "wo": jnp.zeros((F, D))})
+
+    def test_capacity_for(self):
+        assert sf.capacity_for(0.065, 4096) == 336
+        assert sf.capacity_for(1.0, 512) == 512
+        assert sf.capacity_for(0.0, 512) == 8
