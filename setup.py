@@ -23,6 +23,7 @@ INSTALL_REQUIRES = [
     "sentencepiece==0.2.3",
     "tensorboardX==2.6.5",
     "numpy==2.4.6",
+    "scipy==1.17.1",  # power-law fits of the sparsity analysis (already required by jax)
     "etils==1.15.0",
 ]
 

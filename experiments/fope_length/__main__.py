@@ -20,12 +20,12 @@ Writes DIR/config.json, DIR/results.csv (long format), DIR/results.md, DIR/perpl
 and DIR/passkey_<method>.png (teacher-forced accuracy heatmaps, mean over seeds).
 """
 import argparse
-import csv
 import json
 import os
-import subprocess
 import sys
 import time
+
+from experiments.common import git_commit, write_atomic, write_csv
 
 if "XLA_FLAGS" not in os.environ:  # faster CPU dots (see benchmarks/train_throughput.py)
     os.environ["XLA_FLAGS"] = "--xla_cpu_experimental_ynn_fusion_type="
@@ -41,20 +41,6 @@ PRESETS = {
 }
 METHODS = ("rope", "fope", "alibi", "nope")
 FACTORS = (1, 2, 4, 8)
-
-
-def _write_atomic(path, text):
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)
-
-
-def _git_commit():
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except OSError:
-        return "unknown"
 
 
 def passkey_mix_corpus(workdir, data_cfg, tokenizer, seq_len, fraction, seed):
@@ -110,7 +96,7 @@ def passkey_mix_corpus(workdir, data_cfg, tokenizer, seq_len, fraction, seed):
         kind, text = ("shakespeare", next(wi)) if i in work_lines else ("passkey", next(di))
         rows.append(json.dumps({"text": text, "kind": kind}))
     os.makedirs(workdir, exist_ok=True)
-    _write_atomic(path, "\n".join(rows) + "\n")
+    write_atomic(path, "\n".join(rows) + "\n")
     return path
 
 
@@ -141,7 +127,7 @@ def run_one(cfg, workdir, exp, stream, tokenizer):
     out = {"key": key, "perplexity": {str(k): v for k, v in ppl.items()}, "passkey": pk,
            "train_seconds": train_s, "eval_seconds": time.time() - t0,
            "final_train_loss": summary.get("loss"), "val_loss": summary.get("eval_loss")}
-    _write_atomic(eval_path, json.dumps(out, indent=2))
+    write_atomic(eval_path, json.dumps(out, indent=2))
     return out
 
 
@@ -280,7 +266,7 @@ def main(argv=None):
     os.makedirs(a.workdir, exist_ok=True)
     meta_cfg = {"preset": a.preset, "methods": list(methods), "seeds": list(seeds), "exp": exp,
                 "eval_factors": list(FACTORS), "base_config": json.loads(base.to_json_best_effort())}
-    _write_atomic(os.path.join(a.workdir, "config.json"), json.dumps(meta_cfg, indent=2))
+    write_atomic(os.path.join(a.workdir, "config.json"), json.dumps(meta_cfg, indent=2))
     tokenizer = build_tokenizer(base.data.tokenizer)
     stream = length_eval.heldout_stream(base.data, tokenizer, "validation")
     results = {}
@@ -301,21 +287,18 @@ def main(argv=None):
                   + " ".join(f"{k}:{v['perplexity']:.2f}" for k, v in r["perplexity"].items()), flush=True)
     L = base.data.seq_len
     rows, stats = aggregate(results, L, exp)
-    with open(os.path.join(a.workdir, "results.csv.tmp"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["method", "seed", "metric", "length", "depth", "value"])
-        w.writeheader()
-        w.writerows(rows)
-    os.replace(os.path.join(a.workdir, "results.csv.tmp"), os.path.join(a.workdir, "results.csv"))
+    write_csv(os.path.join(a.workdir, "results.csv"), rows,
+              ["method", "seed", "metric", "length", "depth", "value"])
     m = base.model
     meta = {"command": "python -m experiments.fope_length " + " ".join(argv if argv is not None
                                                                        else sys.argv[1:]),
-            "commit": _git_commit(), "seeds": seeds, "preset": a.preset, "steps": base.train.steps,
+            "commit": git_commit(), "seeds": seeds, "preset": a.preset, "steps": base.train.steps,
             "wall_seconds": time.time() - t_start, "cpus": os.cpu_count(),
             "passkey_min_length": length_eval.passkey_min_length(tokenizer),
             "model": f"d_model {m.d_model}, {m.num_layers} layers, {m.num_heads} heads of {m.head_dim}, "
                      f"SwiGLU {m.ffn_dim}, batch {base.train.batch_size} x {L}, lr {base.train.lr}; "
                      f"FoPE gain {m.fope.init_gain}, fixed, pad-sin {m.fope.pad_sin_value}"}
-    _write_atomic(os.path.join(a.workdir, "results.md"), markdown(stats, methods, L, exp, meta))
+    write_atomic(os.path.join(a.workdir, "results.md"), markdown(stats, methods, L, exp, meta))
     plots(stats, methods, L, exp, a.workdir)
     print(open(os.path.join(a.workdir, "results.md")).read())
     return stats
