@@ -63,6 +63,15 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.rmt.param = "mup"  # mup (reference, zero unembedding) | lecun (paper variant study)
     c.model.rmt.query_zero_init = False  # reference's zeroing is a no-op; True applies it
     c.model.rmt.flops_vocab_term = "RV"  # RV reproduces the paper's totals | RVDv (as printed)
+    # muP (rmt.param="mup"): base widths define the width ratios (0 = the model's own width, so
+    # ratio 1, as the reference's train script runs); hidden kernels' lr is divided by the ratio.
+    c.model.rmt.base_rank = 0  # base R
+    c.model.rmt.base_key_dim = 0  # base Dk
+    c.model.rmt.base_value_dim = 0  # base Dv
+    c.model.rmt.base_ffn_dim = 0  # base N_ff
+    c.model.rmt.input_multiplier = 1.0  # embedding output multiplier
+    c.model.rmt.output_multiplier = 1.0  # unembedding multiplier (divided by the E*R width ratio)
+    c.model.rmt.attn_multiplier = 1.0  # attention logits x attn_multiplier * sqrt(base Dv) / Dv
     c.model.dtype = "float32"  # compute dtype: float32 | bfloat16
     c.model.param_dtype = "float32"
     c.model.remat = "none"  # none | full | dots (save matmul outputs)
@@ -124,6 +133,12 @@ def base_config() -> ml_collections.ConfigDict:
         ("act_kv_heads", "tensor"),
         ("act_mlp", "tensor"),
         ("act_vocab", "tensor"),
+        # Residual Matrix Transformer (residual="rmt"): rank R (= heads), key dim Dk, value dim Dv.
+        ("rmt_rank", "tensor"),
+        ("rmt_key", "fsdp"),
+        ("rmt_value", None),
+        ("act_rmt_key", None),
+        ("act_rmt_value", None),
     )
     return c
 

@@ -14,6 +14,19 @@ def token_logprobs(logits_BTV, targets_BT):
     return jnp.take_along_axis(logp, targets_BT[..., None], axis=-1)[..., 0]
 
 
+def log_normalizer(logits_BTV):
+    """log Z = logsumexp over the vocabulary per token, float32 [B, T]."""
+    return jax.nn.logsumexp(logits_BTV.astype(jnp.float32), axis=-1)
+
+
+def with_z_loss(nll_sum, logits_BTV, w_BT, coef: float):
+    """(objective sum, z-loss sum): the z-loss sum is coef·Σ_t w_t·(log Z_t)²; the objective has
+    the value of ``nll_sum`` (so the reported loss stays plain CE) and the gradient of
+    nll_sum + z-loss sum (the z-loss enters through a zero-valued x - stop_gradient(x))."""
+    z_sum = coef * jnp.sum(jnp.square(log_normalizer(logits_BTV)) * w_BT)
+    return nll_sum + (z_sum - jax.lax.stop_gradient(z_sum)), z_sum
+
+
 @TASKS.register("lm")
 class LMTask:
     """Batches are dicts of int32 [B, T]: inputs, targets, segment_ids (0 = padding), positions."""
@@ -35,14 +48,22 @@ class LMTask:
         return self.model.init(rng, batch["inputs"], batch["positions"], batch["segment_ids"])["params"]
 
     def loss(self, params, batch):
-        """Returns (sum of token NLL, number of target tokens, metric sums)."""
+        """Returns (sum of token NLL, number of target tokens, metric sums).
+
+        With ``config.train.z_loss`` = c > 0 the sum's gradient also includes c·Σ(log Z)²
+        (its value stays the NLL) and ``z_loss`` (that term's sum) is a metric."""
         logits = self.model.apply({"params": params}, batch["inputs"], batch["positions"],
                                   batch["segment_ids"])
         w = (batch["segment_ids"] > 0).astype(jnp.float32)
         nll = -token_logprobs(logits, batch["targets"]) * w
         correct = (jnp.argmax(logits, -1) == batch["targets"]).astype(jnp.float32) * w
         n = w.sum()
-        return nll.sum(), n, {"accuracy": correct.sum()}
+        metrics = {"accuracy": correct.sum()}
+        lsum = nll.sum()
+        z = float(self.config.train.get("z_loss", 0.0))
+        if z:  # PaLM-style z-loss (the RMT reference: 1e-4); logged as its own metric
+            lsum, metrics["z_loss"] = with_z_loss(lsum, logits, w, z)
+        return lsum, n, metrics
 
     def train_iterator(self, seed: int):
         c = self.config

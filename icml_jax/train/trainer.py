@@ -158,7 +158,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     shape = validate_config(config, jax.device_count())
     task = tasks.TASKS.get(config.task)(config)
     mesh, rules = mesh_lib.make_mesh(config.mesh), mesh_lib.logical_rules(config.mesh)
-    tx = make_optimizer(t, frozen_mask=functools.partial(frozen_param_mask, config.model))
+    tx = make_optimizer(t, frozen_mask=functools.partial(frozen_param_mask, config.model),
+                        model_cfg=config.model)
     os.makedirs(workdir, exist_ok=True)
     if is_main:
         with open(os.path.join(workdir, "config.json.tmp"), "w") as f:

@@ -1,0 +1,372 @@
+"""Residual Matrix Transformer (Mak & Flanigan, ICML 2025; spec ``specs/rmt.md``): ``residual="rmt"``.
+
+Each token's residual is a matrix X [E, K] (an outer-product memory). Layers *store* a data vector
+x [E] under a key s [K] (X += x ⊗ s) and *retrieve* with a key a [K] (x = X a). Attention has R
+heads of width E; each head's q, k, v are retrievals and its output is stored under its own key.
+The FFN retrieves R vectors, concatenates them (width R·E), applies the registry MLP
+(``config.model.mlp.activation``, reference: ``gelu_tanh``), splits and stores. Embedding and
+unembedding go through storage / retrieval as well.
+
+Axis letters (shapes in names):
+  B batch, T query length, S key length (cache slots), R rank = heads (``num_heads``),
+  K key dim Dk (``rmt.key_dim``), E value dim Dv = head width (``head_dim``), C the q/k/v slot (3),
+  D = R·E (the FFN's input/output width), F ffn hidden (``ffn_dim``), V vocab, N position table
+  (``max_seq_len``).
+
+Stream state: ``RMTState(x [B, T, E, K], layer [B, 1] int32)``; the layer counter travels with the
+residual so that the inverse layer scaling (logits / (ℓ+1)) works under ``nn.scan`` too.
+
+Params (logical axes in brackets; per layer under ``layer_i`` or stacked under ``layers``):
+  io/embedding [V, R, E] (vocab, rmt_rank, rmt_value)   io/embed_store [R, K] (rmt_rank, rmt_key)
+  io/pos_embedding [N, R, E] (learned positions only; stored with embed_store, as the paper counts)
+  io/final_norm/scale [E, K]   io/unembed_retrieve [K, R]   io/unembed [R, E, V]
+  attn_norm/scale [E, K]   qkv_retrieve [K, 3, R] (rmt_key, -, rmt_rank)   attn_store [R, K]
+  mlp_norm/scale [E, K]    mlp_retrieve [K, R]   mlp/wi [D, F]   mlp/wo [F, D]   mlp_store [R, K]
+
+Reference code read and checked (bmac3/residual-matrix-transformer @ 1afac0c; it was also run for
+the parity fixture ``tests/models/data/rmt_reference.npz``):
+  * RMSNorm over all E·K entries, eps inside the rsqrt, elementwise [E, K] gain (``RMSNorm`` with
+    axis (ResVal, ResKey)); fp32 compute.
+  * attention logits: (q·k) · attn_multiplier·sqrt(base_E)/E, then / (ℓ+1), then + ALiBi; the
+    sqrt(base)/E muP factor equals 1/sqrt(E) at the repo's defaults (base = actual). ALiBi slopes
+    are ``geomspace(2^(-8/R), 2^-8)`` = 2^(-8(r+1)/R); the bias is -(number of visible keys after
+    s up to t) · m_r, which equals -m_r (t - s) inside a causal document. Here it is computed from
+    per-document positions (identical for packed rows and left-padded decoding).
+  * [spec "query zeroing is a no-op" — confirmed]: ``qkv_linear.set(...)`` returns a new module
+    that is discarded, so the query slice starts random. ``rmt.query_zero_init`` applies it.
+  * init (muP Table 8 as coded): embedding std = init_std (fan_in 1), hidden kernels
+    std = init_std / sqrt(fan_in) with fan_in the product of the *actual* input axes, the
+    attention-output and FFN store keys additionally × 1/sqrt(2L) (the embedding store key is
+    not), the unembedding zero with multiplier output_multiplier / width_ratio(E·R). Norm gains 1.
+  * [spec §2.4 inferred, confirmed]: the optimizer is clip → Adam → per-group lr (peak lr,
+    hidden ÷ width ratio) → add 1e-4·θ (masked) → × unit schedule. Width ratios are 1 unless
+    base widths are given (``scripts/train.py`` gives none, so as executed the muP lr scaling is a
+    no-op); ``rmt.base_*`` set them here. Decay: every hidden kernel (incl. the retrieval / store
+    keys); not the embedding, the unembedding or the norm gains. See ``optimizer_groups``.
+  * GELU is ``hax.nn.gelu`` with ``approximate=True`` (tanh). z-loss: CE + 1e-4·logZ², mean over
+    positions (``icml_jax.tasks.lm``).
+  * Mixed precision: linears in ``config.model.dtype`` (reference bf16), norms and attention in
+    fp32, as here.
+
+Paper variants behind flags (spec §4): ``rmt.position="learned"`` (absolute table stored like the
+token embedding, under the same store keys so the parameter count is the paper's R·E·N; no ALiBi;
+[inferred] sharing the store key), ``rmt.norm="layernorm"`` (mean and variance over all E·K
+entries, elementwise gain, no bias — the paper has no biases), ``rmt.inverse_layer_scaling=False``
+and ``rmt.param="lecun"`` ([inferred] plain LeCun: every kernel N(0, 1/fan_in) including the
+embedding (fan_in 1) and the unembedding, no 1/sqrt(2L), no muP multipliers, attention 1/sqrt(E),
+plain AdamW with the RMT decay mask).
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from icml_jax.models.attention import NEG_INF, KVCache, attention_mask
+from icml_jax.models.layers import constrain, get_dtype, param
+from icml_jax.models.mlp import ACTIVATIONS
+from icml_jax.models.residual import RESIDUALS, Stream
+
+X_AXES = ("batch", "length", "act_rmt_value", "act_rmt_key")
+HEAD_AXES = ("batch", "length", "act_heads", None)
+
+
+class RMTState(NamedTuple):
+    x: jax.Array  # [B, T, E, K] the residual matrices
+    layer: jax.Array  # [B, 1] int32, index of the next layer
+
+
+# ----------------------------------------------------------------------------- config, scales
+
+def validate(c: ml_collections.ConfigDict) -> None:
+    """One-line errors for RMT-specific config mistakes."""
+    r = c.rmt
+    if c.num_kv_heads != c.num_heads:
+        raise ValueError(f"residual='rmt' needs config.model.num_kv_heads == num_heads (got "
+                         f"{c.num_kv_heads} vs {c.num_heads}): set num_kv_heads={c.num_heads}")
+    for key, val, ok in (("position", r.position, ("alibi", "learned")),
+                         ("norm", r.norm, ("rms_matrix", "layernorm")),
+                         ("param", r.param, ("mup", "lecun")),
+                         ("flops_vocab_term", r.flops_vocab_term, ("RV", "RVDv"))):
+        if val not in ok:
+            raise ValueError(f"unknown config.model.rmt.{key}={val!r}; choose one of {list(ok)}")
+    if r.key_dim <= 0:
+        raise ValueError(f"config.model.rmt.key_dim must be positive, got {r.key_dim}")
+
+
+def _fan_in(c) -> dict:
+    """Input fan of every hidden kernel (product of its input axes), by param name."""
+    R, K, E, F = c.num_heads, c.rmt.key_dim, c.head_dim, c.ffn_dim
+    return {"embed_store": R, "qkv_retrieve": K, "attn_store": R, "mlp_retrieve": K, "wi": R * E,
+            "wo": F, "mlp_store": R, "unembed_retrieve": K}
+
+
+def _base_fan_in(c) -> dict:
+    """Same with the muP base widths (``rmt.base_*``; 0 = the model's own width)."""
+    r = c.rmt
+    R = r.base_rank or c.num_heads
+    K = r.base_key_dim or r.key_dim
+    E = r.base_value_dim or c.head_dim
+    F = r.base_ffn_dim or c.ffn_dim
+    return {"embed_store": R, "qkv_retrieve": K, "attn_store": R, "mlp_retrieve": K, "wi": R * E,
+            "wo": F, "mlp_store": R, "unembed_retrieve": K}
+
+
+def width_ratios(c) -> dict:
+    """muP width ratio fan_in / base_fan_in per hidden kernel; their lr is divided by it."""
+    fan, base = _fan_in(c), _base_fan_in(c)
+    return {k: fan[k] / base[k] for k in fan}
+
+
+def hidden_std(c, name: str) -> float:
+    fan = _fan_in(c)[name]
+    std = (c.init_std if c.rmt.param == "mup" else 1.0) / math.sqrt(fan)
+    if name in ("attn_store", "mlp_store") and c.rmt.param == "mup":
+        std /= math.sqrt(2 * c.num_layers)  # GPT-2-style residual scaling of the reference
+    return std
+
+
+def output_multiplier(c) -> float:
+    """Multiplier of the unembedding: output_multiplier / width_ratio(E·R) (muP), 1 (lecun)."""
+    if c.rmt.param != "mup":
+        return 1.0
+    r = c.rmt
+    ratio = (c.num_heads * c.head_dim) / ((r.base_rank or c.num_heads) * (r.base_value_dim or c.head_dim))
+    return r.output_multiplier / ratio
+
+
+def attention_scale(c) -> float:
+    """attn_multiplier · sqrt(base_E) / E (muP; = 1/sqrt(E) at base = E), 1/sqrt(E) (lecun)."""
+    E = c.head_dim
+    if c.rmt.param != "mup":
+        return E ** -0.5
+    return c.rmt.attn_multiplier * math.sqrt(c.rmt.base_value_dim or E) / E
+
+
+def alibi_slopes(R: int) -> np.ndarray:
+    """m_r = 2^(-8(r+1)/R), r = 0..R-1, float32 [R] (the reference's geomspace)."""
+    return (2.0 ** (-8.0 * np.arange(1, R + 1) / R)).astype(np.float32)
+
+
+def _normal(std: float) -> Callable:
+    return nn.initializers.normal(std) if std > 0 else nn.initializers.zeros
+
+
+def _qkv_init(std: float, zero_query: bool) -> Callable:
+    """N(0, std²) for [K, 3, R]; the query slice (C = 0) zero when ``zero_query``."""
+    def init(key, shape, dtype=jnp.float32):
+        w = std * jax.random.normal(key, shape, jnp.float32)
+        if zero_query:
+            w = w.at[:, 0].set(0.0)
+        return w.astype(dtype)
+    return init
+
+
+# ----------------------------------------------------------------------------- building blocks
+
+class MatrixNorm(nn.Module):
+    """Norm over all E·K entries of each token's matrix with an elementwise [E, K] gain.
+
+    ``rms_matrix`` (reference): x / sqrt(mean(x²) + eps) · g; ``layernorm``: (x - mean) /
+    sqrt(var + eps) · g. Statistics in float32; output in ``dtype``."""
+    kind: str
+    eps: float
+    dtype: jnp.dtype
+    param_dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x_BTEK):
+        g_EK = param(self, "scale", nn.initializers.ones, x_BTEK.shape[-2:], ("rmt_value", "rmt_key"),
+                     self.param_dtype)
+        x = x_BTEK.astype(jnp.float32)
+        if self.kind == "layernorm":
+            x = x - jnp.mean(x, axis=(-2, -1), keepdims=True)
+        y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=(-2, -1), keepdims=True) + self.eps)
+        return (y * g_EK.astype(jnp.float32)).astype(self.dtype)
+
+
+def _norm(c, name):
+    return MatrixNorm(c.rmt.norm, c.norm_eps, get_dtype(c.dtype),
+                      get_dtype(c.param_dtype, "config.model.param_dtype"), name=name)
+
+
+def _key_param(module, c, name, shape, axes):
+    return param(module, name, _normal(hidden_std(c, name)), shape, axes,
+                 get_dtype(c.param_dtype, "config.model.param_dtype"))
+
+
+def retrieve(x_BTEK, a_KR):
+    """Retrieval with R keys: [B, T, E, K] x [K, R] -> [B, T, R, E]."""
+    return jnp.einsum("BTEK,KR->BTRE", x_BTEK, a_KR.astype(x_BTEK.dtype))
+
+
+def store(v_BTRE, s_RK):
+    """Storage of R vectors under R keys: [B, T, R, E] x [R, K] -> [B, T, E, K] (sum over R)."""
+    return jnp.einsum("BTRE,RK->BTEK", v_BTRE, s_RK.astype(v_BTRE.dtype))
+
+
+class RMTIO(nn.Module):
+    """Embedding via storage, final norm, unembedding via retrieval."""
+    cfg: ml_collections.ConfigDict
+
+    def setup(self):
+        c = self.cfg
+        validate(c)
+        R, K, E, V = c.num_heads, c.rmt.key_dim, c.head_dim, c.vocab_size
+        pdt = get_dtype(c.param_dtype, "config.model.param_dtype")
+        in_std = c.init_std if c.rmt.param == "mup" else 1.0
+        self.embedding = param(self, "embedding", _normal(in_std), (V, R, E),
+                               ("vocab", "rmt_rank", "rmt_value"), pdt)
+        if c.rmt.position == "learned":
+            self.pos_embedding = param(self, "pos_embedding", _normal(in_std), (c.max_seq_len, R, E),
+                                       (None, "rmt_rank", "rmt_value"), pdt)
+        self.embed_store = _key_param(self, c, "embed_store", (R, K), ("rmt_rank", "rmt_key"))
+        self.final_norm = _norm(c, "final_norm")
+        self.unembed_retrieve = _key_param(self, c, "unembed_retrieve", (K, R), ("rmt_key", "rmt_rank"))
+        out_std = 0.0 if c.rmt.param == "mup" else (R * E) ** -0.5
+        self.unembed_REV = param(self, "unembed", _normal(out_std), (R, E, V),
+                             ("rmt_rank", "rmt_value", "vocab"), pdt)
+
+    def __call__(self, tokens_BT, positions_BT=None) -> RMTState:
+        """tokens [B, T] -> state with X [B, T, E, K]. Learned positions use ``positions_BT``
+        when given, else the slot index (the decoder does not pass positions to the IO yet)."""
+        c = self.cfg
+        dt = get_dtype(c.dtype)
+        B, T = tokens_BT.shape
+        e_BTRE = jnp.take(self.embedding, tokens_BT, axis=0).astype(dt)
+        if c.rmt.param == "mup":
+            e_BTRE = e_BTRE * c.rmt.input_multiplier
+        if c.rmt.position == "learned":
+            if positions_BT is None:
+                if getattr(self.parent, "decode", False):
+                    raise ValueError("config.model.rmt.position='learned' cannot decode with a KV cache"
+                                     " until the decoder passes positions to the IO; use 'alibi'")
+                positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
+            p_BTRE = jnp.take(self.pos_embedding, positions_BT, axis=0).astype(dt)
+            e_BTRE = e_BTRE + p_BTRE * (c.rmt.input_multiplier if c.rmt.param == "mup" else 1.0)
+        x_BTEK = constrain(store(e_BTRE, self.embed_store), X_AXES)
+        return RMTState(x_BTEK, jnp.zeros((B, 1), jnp.int32))
+
+    def unembed(self, h: RMTState):
+        """Final norm -> R retrievals -> logits float32 [B, T, V]."""
+        u_BTRE = retrieve(self.final_norm(h.x), self.unembed_retrieve)
+        logits = jnp.einsum("BTRE,REV->BTV", u_BTRE, self.unembed_REV.astype(u_BTRE.dtype),
+                            preferred_element_type=jnp.float32)
+        logits = logits.astype(jnp.float32) * output_multiplier(self.cfg)
+        return constrain(logits, ("batch", "length", "act_vocab"))
+
+    @staticmethod
+    def optimizer_groups(model_cfg) -> "OptimizerGroups":
+        return optimizer_groups(model_cfg)
+
+
+class RMTAttention(nn.Module):
+    """R single-head attentions whose q, k, v are retrievals from the normed residual."""
+    cfg: ml_collections.ConfigDict
+    decode: bool = False
+
+    @nn.compact
+    def __call__(self, x_BTEK, layer_B1, positions_BT, segment_ids_BT):
+        """Normed residual [B, T, E, K] -> head outputs o [B, T, R, E] (compute dtype)."""
+        c = self.cfg
+        R, K = c.num_heads, c.rmt.key_dim
+        pdt = get_dtype(c.param_dtype, "config.model.param_dtype")
+        w_KCR = param(self, "qkv_retrieve",
+                      _qkv_init(hidden_std(c, "qkv_retrieve"), c.rmt.query_zero_init),
+                      (K, 3, R), ("rmt_key", None, "rmt_rank"), pdt)
+        qkv_BTCRE = jnp.einsum("BTEK,KCR->BTCRE", x_BTEK, w_KCR.astype(x_BTEK.dtype))
+        q, k, v = (constrain(qkv_BTCRE[:, :, i], HEAD_AXES) for i in range(3))
+        if self.decode:
+            k, v, k_pos, k_seg, q_idx, k_idx = KVCache(name="kv_cache")(k, v, positions_BT, segment_ids_BT)
+        else:
+            k_pos, k_seg = positions_BT, segment_ids_BT
+            q_idx = k_idx = jnp.broadcast_to(jnp.arange(x_BTEK.shape[1]), positions_BT.shape)
+        mask_BTS = attention_mask(segment_ids_BT, k_seg, q_idx, k_idx)
+        return self.attend(q, k, v, mask_BTS, layer_B1, positions_BT, k_pos).astype(x_BTEK.dtype)
+
+    def attend(self, q_BTRE, k_BSRE, v_BSRE, mask_BTS, layer_B1, q_pos_BT, k_pos_BS):
+        """float32 softmax attention: z = (q·k)·scale / (ℓ+1) - m_r (t_pos - s_pos)."""
+        c = self.cfg
+        hi = jax.lax.Precision.HIGHEST
+        z_BRTS = jnp.einsum("BTRE,BSRE->BRTS", q_BTRE.astype(jnp.float32), k_BSRE.astype(jnp.float32),
+                            precision=hi) * attention_scale(c)
+        if c.rmt.inverse_layer_scaling:
+            z_BRTS = z_BRTS / (layer_B1[:, :, None, None] + 1).astype(jnp.float32)
+        if c.rmt.position == "alibi":
+            dist_BTS = (q_pos_BT[:, :, None] - k_pos_BS[:, None, :]).astype(jnp.float32)
+            m_R = jnp.asarray(alibi_slopes(c.num_heads))
+            z_BRTS = z_BRTS - m_R[None, :, None, None] * dist_BTS[:, None]
+        z_BRTS = jnp.where(mask_BTS[:, None], z_BRTS, NEG_INF)
+        p_BRTS = jax.nn.softmax(z_BRTS, axis=-1)
+        return jnp.einsum("BRTS,BSRE->BTRE", p_BRTS, v_BSRE.astype(jnp.float32), precision=hi)
+
+
+class RMTBlock(nn.Module):
+    """One layer: X += store(attn(retrievals of norm(X))); X += store(split(mlp(concat(retr.))))."""
+    cfg: ml_collections.ConfigDict
+    decode: bool = False
+
+    @nn.compact
+    def __call__(self, h: RMTState, positions_BT, segment_ids_BT):
+        c = self.cfg
+        R, K, E = c.num_heads, c.rmt.key_dim, c.head_dim
+        x_BTEK = h.x
+        o_BTRE = RMTAttention(c, self.decode, name="attn")(_norm(c, "attn_norm")(x_BTEK), h.layer,
+                                                           positions_BT, segment_ids_BT)
+        s_RK = _key_param(self, c, "attn_store", (R, K), ("rmt_rank", "rmt_key"))
+        x_BTEK = constrain(x_BTEK + store(o_BTRE, s_RK).astype(x_BTEK.dtype), X_AXES)
+
+        a_KR = _key_param(self, c, "mlp_retrieve", (K, R), ("rmt_key", "rmt_rank"))
+        u_BTRE = retrieve(_norm(c, "mlp_norm")(x_BTEK), a_KR)
+        B, T = u_BTRE.shape[:2]
+        u_BTD = constrain(u_BTRE.reshape(B, T, R * E), ("batch", "length", "act_embed"))
+        mlp = ACTIVATIONS.get(c.mlp.activation)(c, features=R * E, wi_init=_normal(hidden_std(c, "wi")),
+                                                wo_init=_normal(hidden_std(c, "wo")), name="mlp")
+        y_BTD, acts_BTF = mlp(u_BTD)
+        self.sow("intermediates", "mlp_acts", acts_BTF)
+        s_RK = _key_param(self, c, "mlp_store", (R, K), ("rmt_rank", "rmt_key"))
+        f_BTRE = y_BTD.reshape(B, T, R, E)
+        x_BTEK = constrain(x_BTEK + store(f_BTRE, s_RK).astype(x_BTEK.dtype), X_AXES)
+        return RMTState(x_BTEK, h.layer + 1), None
+
+
+RESIDUALS.register("rmt")(Stream(RMTIO, RMTBlock))
+
+
+# ----------------------------------------------------------------------------- optimizer groups
+
+class OptimizerGroups(NamedTuple):
+    """Per-parameter optimizer data (functions of the param pytree, any nesting / layer stacking).
+
+    ``lr_multipliers``: pytree of python floats (the lr of a leaf is peak_lr · multiplier), or
+    None for plain AdamW; ``decay_mask``: pytree of bools (True = weight decay)."""
+    lr_multipliers: Callable | None
+    decay_mask: Callable
+
+
+_NO_DECAY = ("embedding", "pos_embedding", "unembed", "scale")
+
+
+def _leaf_name(path) -> str:
+    """The param's own name: the last dict key on its path (skips a box's ``.value``)."""
+    keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+    return str(keys[-1]) if keys else ""
+
+
+def optimizer_groups(c) -> OptimizerGroups:
+    """The reference's groups: hidden kernels' lr ÷ width ratio (muP only); decay on hidden
+    kernels only (not the embedding, the unembedding or the norm gains)."""
+    ratios = width_ratios(c)
+
+    def lr_mult(params):
+        return jax.tree_util.tree_map_with_path(lambda p, _: 1.0 / ratios.get(_leaf_name(p), 1.0), params)
+
+    def decay(params):
+        return jax.tree_util.tree_map_with_path(lambda p, _: _leaf_name(p) not in _NO_DECAY, params)
+
+    return OptimizerGroups(lr_mult if c.rmt.param == "mup" else None, decay)

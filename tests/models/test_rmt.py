@@ -1,0 +1,445 @@
+"""Residual Matrix Transformer (icml_jax/models/rmt.py; spec specs/rmt.md §5): parity against the
+authors' code, zero logits at init, causality, ALiBi, flag equivalence, variance propagation,
+parameter counts, KV-cache decoding, muP optimizer groups, z-loss, sharding on 8 fake devices."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from icml_jax.analysis.flops import param_count
+from icml_jax.config_utils import REPO_ROOT, load_config
+from icml_jax.models import build_model
+from icml_jax.models import rmt
+from icml_jax.tasks.lm import log_normalizer, token_logprobs, with_z_loss
+
+DATA = os.path.join(os.path.dirname(__file__), "data", "rmt_reference.npz")
+
+
+def _cfg(**model):
+    c = load_config("configs/rmt.py:tiny", unlocked=True)
+    rmt_over = model.pop("rmt", {})
+    for k, v in model.items():
+        c.model[k] = v
+    for k, v in rmt_over.items():
+        c.model.rmt[k] = v
+    return c
+
+
+def _init(m, B=2, T=12, seed=0):
+    model = build_model(m)
+    tokens = jax.random.randint(jax.random.key(seed), (B, T), 0, m.vocab_size)
+    params = nn.meta.unbox(model.init(jax.random.key(1), tokens)["params"])
+    return model, params, tokens
+
+
+def _randomise(params, seed=0, scale=0.5):
+    """Every leaf random and non-zero (query slice and unembedding included)."""
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    return jax.tree.unflatten(treedef, [scale * jax.random.normal(k, x.shape) for k, x in zip(keys, leaves)])
+
+
+# ----------------------------------------------------------------------------- parity (§5.8)
+
+def _reference_params(ref, m):
+    """Our param tree from the reference's weights (their layout: input axes, then output axes)."""
+    w = {k[2:]: ref[k] for k in ref.files if k.startswith("w/")}
+    stack = ".module.rmt_stack.stacked."
+    R, E, F = m.num_heads, m.head_dim, m.ffn_dim
+    p = {"io": {
+        "embedding": w[".module.embedding.param.weight"].transpose(0, 2, 1),  # [V, Dv, R] -> [V, R, E]
+        "embed_store": w[".module.storage_linear.param.weight"],
+        "final_norm": {"scale": w[".module.norm.param.weight"]},
+        "unembed_retrieve": w[".module.retrieval_linear.param.weight"],
+        "unembed": w[".module.unembedding.param.weight"].transpose(1, 0, 2),  # [Dv, R, V] -> [R, E, V]
+    }}
+    for i in range(m.num_layers):
+        g = lambda name: w[stack + name + ".param.weight"][i]  # noqa: E731
+        p[f"layer_{i}"] = {
+            "attn_norm": {"scale": g("attention.module.norm")},
+            "attn": {"qkv_retrieve": g("attention.module.qkv_linear")},
+            "attn_store": g("attention.module.out_linear"),
+            "mlp_norm": {"scale": g("mlp.module.norm")},
+            "mlp_retrieve": g("mlp.module.retrieval_linear"),
+            "mlp": {"wi": g("mlp.module.W1").transpose(1, 0, 2).reshape(R * E, F),
+                    "wo": g("mlp.module.W2").transpose(0, 2, 1).reshape(F, R * E)},
+            "mlp_store": g("mlp.module.storage_linear"),
+        }
+    return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), p)
+
+
+def _parity_cfg():
+    return _cfg(vocab_size=7, num_layers=2, num_heads=2, num_kv_heads=2, head_dim=4, ffn_dim=6,
+                max_seq_len=8, rmt=dict(key_dim=3)).model
+
+
+def test_parity_with_reference_model():
+    """Logits, mean CE and mean z-loss equal the authors' model (run in fp64, ours fp32)."""
+    ref = np.load(DATA)
+    m = _parity_cfg()
+    model, params, _ = _init(m, B=1, T=4)
+    ours = _reference_params(ref, m)
+    chex.assert_trees_all_equal_shapes(ours, params)
+    tokens = jnp.asarray(ref["tokens"])[None]
+    logits = model.apply({"params": ours}, tokens)[0]
+    assert float(np.abs(ref["logits"]).max()) > 0.5  # non-trivial reference output
+    np.testing.assert_allclose(logits, ref["logits"], atol=2e-5, rtol=1e-5)
+    ce = -float(token_logprobs(logits[None], jnp.asarray(ref["targets"])[None]).mean())
+    logz2 = float(jnp.mean(jnp.square(log_normalizer(logits))))
+    assert abs(ce - float(ref["ce"])) < 1e-5
+    assert abs(logz2 - float(ref["logz2"])) < 1e-4
+    assert abs(ce + 1e-4 * logz2 - float(ref["zloss"])) < 1e-5
+
+
+def test_parity_fixture_records_reference_init_facts():
+    """The reference as initialised: zero logits (zero unembedding), random query slice."""
+    ref = np.load(DATA)
+    assert float(ref["init_logits_max"]) == 0.0
+    assert float(ref["init_query_absmax"]) > 1e-3
+
+
+def test_parity_breaks_without_inverse_layer_scaling():
+    """The parity check is sensitive: switching a reference quirk off changes the logits."""
+    ref = np.load(DATA)
+    m = _parity_cfg()
+    m.rmt.inverse_layer_scaling = False
+    logits = build_model(m).apply({"params": _reference_params(ref, m)}, jnp.asarray(ref["tokens"])[None])[0]
+    assert float(np.abs(np.asarray(logits) - ref["logits"]).max()) > 1e-3
+
+
+# ----------------------------------------------------------------------------- init, shapes
+
+class RMTForwardTest(chex.TestCase):
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_shapes_dtype_and_zero_logits_at_init(self):
+        """§5.1: muP init has a zero unembedding, so logits are exactly 0 and CE = log V."""
+        for qz in (False, True):
+            m = _cfg(rmt=dict(query_zero_init=qz)).model
+            model, params, tokens = _init(m)
+            logits = self.variant(lambda p, t: model.apply({"params": p}, t))(params, tokens)
+            chex.assert_shape(logits, (2, 12, m.vocab_size))
+            chex.assert_type(logits, jnp.float32)
+            assert float(jnp.abs(logits).max()) == 0.0
+            ce = -token_logprobs(logits, tokens).mean()
+            assert abs(float(ce) - math.log(m.vocab_size)) < 1e-5
+
+
+@pytest.mark.parametrize("qz", [False, True])
+def test_query_slice_init(qz):
+    """As executed the reference's query slice is random; the flag zeroes it (k, v stay random)."""
+    m = _cfg(rmt=dict(query_zero_init=qz)).model
+    _, params, _ = _init(m)
+    w = params["layer_0"]["attn"]["qkv_retrieve"]  # [K, 3, R]
+    assert (float(jnp.abs(w[:, 0]).max()) == 0.0) == qz
+    assert float(jnp.abs(w[:, 1:]).min()) > 0.0
+    std = float(jnp.std(params["layer_0"]["mlp"]["wi"]))
+    assert 0.5 < std / (0.02 / math.sqrt(m.num_heads * m.head_dim)) < 1.5  # muP hidden std
+
+
+def test_every_leaf_has_logical_axes():
+    m = _cfg().model
+    boxed = jax.eval_shape(build_model(m).init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+    leaves = jax.tree.leaves(boxed, is_leaf=lambda x: hasattr(x, "names"))
+    assert leaves and all(hasattr(x, "names") and len(x.names) == len(x.value.shape) for x in leaves)
+
+
+def test_causality():
+    """§5.5: changing token t+1 leaves logits at positions <= t unchanged, and changes later ones."""
+    m = _cfg().model
+    model, params, tokens = _init(m, B=1, T=10)
+    params = _randomise(params)
+    base = model.apply({"params": params}, tokens)
+    for t in (0, 4, 8):
+        pert = tokens.at[0, t + 1].set((tokens[0, t + 1] + 1) % m.vocab_size)
+        out = model.apply({"params": params}, pert)
+        np.testing.assert_array_equal(out[0, : t + 1], base[0, : t + 1])
+        assert float(jnp.abs(out[0, t + 1:] - base[0, t + 1:]).max()) > 1e-4
+
+
+def test_packed_documents_are_isolated():
+    """A token attends only within its segment, and ALiBi uses per-document positions: a
+    document packed second gives the same logits as alone."""
+    m = _cfg().model
+    model, params, tokens = _init(m, B=1, T=12)
+    params = _randomise(params)
+    seg = jnp.array([[1] * 5 + [2] * 7])
+    pos = jnp.array([list(range(5)) + list(range(7))])
+    packed = model.apply({"params": params}, tokens, pos, seg)
+    alone = model.apply({"params": params}, tokens[:, 5:])
+    np.testing.assert_allclose(packed[0, 5:], alone[0], atol=1e-5)
+
+
+@pytest.mark.parametrize("flags", [dict(), dict(position="learned"), dict(norm="layernorm"),
+                                   dict(param="lecun"), dict(inverse_layer_scaling=False)])
+@pytest.mark.parametrize("activation", ["gelu_tanh", "swiglu"])
+def test_param_count_matches_initialised_model(flags, activation):
+    """§5.2: the exact count equals the initialised tree under the flags and MLP kinds."""
+    c = _cfg(rmt=dict(flags))
+    c.model.mlp.activation = activation
+    shapes = jax.eval_shape(build_model(c.model).init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+    assert sum(x.size for x in jax.tree.leaves(shapes)) == param_count(c.model)
+
+
+def test_param_count_depends_on_key_dim_only_through_key_terms():
+    """§5.2: ΔParams/ΔDk = 2R(3L+1) + (2L+1)·Dv (retrieval/storage keys + norm gains)."""
+    c = load_config("configs/rmt.py:small", unlocked=True).model
+    L, R, E = c.num_layers, c.num_heads, c.head_dim
+    counts = {}
+    for dk in (4, 8, 16, 32):
+        c.rmt.key_dim = dk
+        counts[dk] = param_count(c)
+    per_dk = 2 * R * (3 * L + 1) + (2 * L + 1) * E
+    for dk in (8, 16, 32):
+        assert counts[dk] - counts[4] == per_dk * (dk - 4)
+    assert (counts[32] - counts[4]) / counts[4] < 0.05  # nearly constant, as the paper claims
+
+
+def test_bad_config_is_a_clear_error():
+    m = _cfg(num_kv_heads=1).model
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        _init(m)
+    m = _cfg(rmt=dict(norm="batchnorm")).model
+    with pytest.raises(ValueError, match="config.model.rmt.norm"):
+        _init(m)
+
+
+# ----------------------------------------------------------------------------- attention properties
+
+def _attend(m, q, k, v, layer=0, pos=None):
+    B, T = q.shape[:2]
+    pos = jnp.broadcast_to(jnp.arange(T), (B, T)) if pos is None else pos
+    mask = jnp.tril(jnp.ones((T, T), bool))[None].repeat(B, 0)
+    return rmt.RMTAttention(m).apply({}, q, k, v, mask, jnp.full((B, 1), layer, jnp.int32), pos, pos,
+                                     method="attend")
+
+
+def test_alibi_slopes_and_bias():
+    """§5.6: m_r = 2^(-8(r+1)/R) (the reference's geomspace); with q = 0 the attention weights
+    are softmax(-m_r (t - s)) over s <= t, i.e. the bias is 0 on the diagonal."""
+    for R in (1, 2, 3, 8, 12):
+        np.testing.assert_allclose(rmt.alibi_slopes(R), 2.0 ** (-8 * np.arange(1, R + 1) / R), rtol=1e-6)
+        np.testing.assert_allclose(rmt.alibi_slopes(R), np.geomspace(2 ** (-8 / R), 2 ** -8, R), rtol=1e-6)
+    T = 6
+    m = _cfg(num_heads=3, num_kv_heads=3, head_dim=T).model
+    v = jnp.zeros((1, T, 3, T)).at[0, jnp.arange(T), :, jnp.arange(T)].set(1.0)  # one-hot per slot
+    o = _attend(m, jnp.zeros((1, T, 3, T)), jnp.zeros((1, T, 3, T)), v)  # o[t, r, s] = p_r(t, s)
+    slopes = rmt.alibi_slopes(3)
+    for r in range(3):
+        for t in range(T):
+            logit = -slopes[r] * (t - np.arange(t + 1))
+            want = np.exp(logit) / np.exp(logit).sum()
+            np.testing.assert_allclose(o[0, t, r, : t + 1], want, rtol=1e-5)
+            assert float(jnp.abs(o[0, t, r, t + 1:]).max(initial=0.0)) == 0.0
+
+
+def test_inverse_layer_scaling_flag_equivalence():
+    """§5.7: with inverse scaling off, layer ℓ's q·k logits are (ℓ+1)x those with it on."""
+    on = _cfg().model
+    off = _cfg(rmt=dict(inverse_layer_scaling=False)).model
+    ks = jax.random.split(jax.random.key(0), 3)
+    q, k, v = (jax.random.normal(kk, (2, 7, 2, 8)) for kk in ks)
+    for layer in (0, 1, 3):
+        a = _attend(on, q * (layer + 1), k, v, layer)
+        b = _attend(off, q, k, v, layer)
+        np.testing.assert_allclose(a, b, atol=1e-5)
+        if layer:
+            assert float(jnp.abs(_attend(on, q, k, v, layer) - b).max()) > 1e-3
+
+
+def test_variance_propagation_at_init():
+    """§5.3 (paper Table 1), Monte Carlo: storage Var = R σ_w²(σ² + μ²), retrieval
+    Var = Dk σ_w²(σ² + μ²), means 0."""
+    R, K, E, n = 8, 16, 4, 4000
+    sw, mu, sd = 0.3, 0.5, 1.5
+    kx, kw = jax.random.split(jax.random.key(0))
+    x_NTRE = mu + sd * jax.random.normal(kx, (n, 1, R, E))
+    w_NRK = sw * jax.random.normal(kw, (n, R, K))
+    X = jax.vmap(lambda x, w: rmt.store(x[None], w)[0])(x_NTRE, w_NRK)  # [n, 1, E, K]
+    assert abs(float(X.var()) / (R * sw ** 2 * (sd ** 2 + mu ** 2)) - 1) < 0.05
+    assert abs(float(X.mean())) < 0.05
+    Xin = mu + sd * jax.random.normal(kx, (n, 1, E, K))
+    a_NKR = sw * jax.random.normal(kw, (n, K, R))
+    y = jax.vmap(lambda x, a: rmt.retrieve(x[None], a)[0])(Xin, a_NKR)
+    assert abs(float(y.var()) / (K * sw ** 2 * (sd ** 2 + mu ** 2)) - 1) < 0.05
+    assert abs(float(y.mean())) < 0.05
+
+
+# ----------------------------------------------------------------------------- decoding
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_cached_greedy_equals_full_forward(scan_layers):
+    from icml_jax.inference.decode import generate
+    m = _cfg(scan_layers=scan_layers).model
+    model = build_model(m)
+    params = _randomise(model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"], scale=1.0)
+    prompt, n = [1, 40, 51, 62, 73], 8
+    fwd = jax.jit(lambda p, t: model.apply({"params": p}, t))
+    buf = np.zeros((1, len(prompt) + n), np.int32)
+    buf[0, :len(prompt)] = prompt
+    want, want_logits = [], []
+    for i in range(n):
+        lg = np.asarray(fwd(params, jnp.asarray(buf))[0, len(prompt) + i - 1])
+        want.append(int(lg.argmax()))
+        want_logits.append(lg)
+        buf[0, len(prompt) + i] = want[-1]
+    out = generate(m, params, [prompt, [1, 3]], key=jax.random.key(0), max_new_tokens=n,
+                   temperature=0, return_logits=True)
+    np.testing.assert_array_equal(out.tokens[0], want)
+    np.testing.assert_allclose(out.logits[0], np.stack(want_logits), atol=1e-4, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- optimizer, z-loss
+
+def _tx(base_key_dim=0, wd=0.0, **train):
+    from icml_jax.train.optimizer import make_optimizer
+    c = _cfg(rmt=dict(base_key_dim=base_key_dim))
+    c.train.weight_decay, c.train.warmup_steps, c.train.steps = wd, 0, 10
+    for k, v in train.items():
+        c.train[k] = v
+    return c, make_optimizer(c.train, model_cfg=c.model)
+
+
+def test_mup_lr_divides_hidden_params_by_width_ratio():
+    """base Dk = Dk/2 -> width ratio 2 for the Dk-input kernels: their first Adam step is half
+    the size; the embedding (input), unembedding (output), norms and Rank-input keys are not."""
+    c, tx = _tx(base_key_dim=2)  # tiny: Dk = 4
+    _, params, _ = _init(c.model)
+    grads = _randomise(params, seed=3)
+    c1, tx1 = _tx()
+    u2, _ = tx.update(grads, tx.init(params), params)
+    u1, _ = tx1.update(grads, tx1.init(params), params)
+    ratio = jax.tree.map(lambda a, b: float(jnp.abs(a).sum() / jnp.abs(b).sum()), u2, u1)
+    assert abs(ratio["layer_0"]["attn"]["qkv_retrieve"] - 0.5) < 1e-6
+    assert abs(ratio["io"]["unembed_retrieve"] - 0.5) < 1e-6
+    assert abs(ratio["layer_1"]["mlp_retrieve"] - 0.5) < 1e-6
+    for leaf in (ratio["io"]["embedding"], ratio["io"]["unembed"], ratio["layer_0"]["attn_store"],
+                 ratio["layer_0"]["mlp"]["wi"], ratio["io"]["final_norm"]["scale"]):
+        assert abs(leaf - 1.0) < 1e-6
+    # the peak lr multiplies the Adam direction (first step |update| ~ lr for every entry)
+    assert abs(float(jnp.abs(u1["layer_0"]["mlp"]["wo"]).mean()) / c1.train.lr - 1) < 0.01
+
+
+def test_mup_decay_is_added_after_lr_and_masked():
+    """Zero gradients: the update is -schedule·wd·θ on hidden kernels, independent of the peak
+    lr, and 0 on the embedding, the unembedding and the norm gains."""
+    for lr in (1e-2, 1e-3):
+        c, tx = _tx(wd=0.1, lr=lr)
+        _, params, _ = _init(c.model)
+        params = _randomise(params, seed=1)
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        u, _ = tx.update(zeros, tx.init(params), params)
+        np.testing.assert_allclose(u["layer_0"]["mlp"]["wi"], -0.1 * params["layer_0"]["mlp"]["wi"], rtol=1e-5)
+        np.testing.assert_allclose(u["layer_1"]["attn"]["qkv_retrieve"],
+                                   -0.1 * params["layer_1"]["attn"]["qkv_retrieve"], rtol=1e-5)
+        for leaf in (u["io"]["embedding"], u["io"]["unembed"], u["layer_0"]["attn_norm"]["scale"]):
+            assert float(jnp.abs(leaf).max()) == 0.0
+
+
+def test_z_loss_value_is_ce_gradient_includes_z():
+    logits = jax.random.normal(jax.random.key(0), (2, 5, 11)) * 3
+    targets = jax.random.randint(jax.random.key(1), (2, 5), 0, 11)
+    w = jnp.ones((2, 5)).at[1, 3:].set(0.0)
+
+    def objective(lg):
+        nll = (-token_logprobs(lg, targets) * w).sum()
+        return with_z_loss(nll, lg, w, 1e-2)
+
+    def plain(lg):
+        nll = (-token_logprobs(lg, targets) * w).sum()
+        return nll + 1e-2 * (jnp.square(jax.nn.logsumexp(lg, -1)) * w).sum()
+
+    (val, zsum) = objective(logits)
+    nll = (-token_logprobs(logits, targets) * w).sum()
+    assert float(val) == float(nll)
+    assert abs(float(zsum) - float(plain(logits) - nll)) < 1e-4 and float(zsum) > 0
+    chex.assert_trees_all_close(jax.grad(lambda lg: objective(lg)[0])(logits), jax.grad(plain)(logits),
+                                atol=1e-6)
+
+
+def test_lm_task_reports_plain_ce_and_z_loss_metric():
+    from icml_jax.tasks.lm import LMTask
+    c = _cfg()
+    task = LMTask(c)
+    batch = task.dummy_batch(2, 16)
+    batch["inputs"] = jax.random.randint(jax.random.key(0), (2, 16), 0, 200)
+    batch["targets"] = jnp.roll(batch["inputs"], -1, axis=1)
+    params = _randomise(nn.meta.unbox(task.init_params(jax.random.key(1), batch)), scale=0.3)
+    lsum, n, metrics = task.loss(params, batch)
+    c0 = _cfg()
+    c0.train.z_loss = 0.0
+    lsum0, _, metrics0 = LMTask(c0).loss(params, batch)
+    assert float(lsum) == float(lsum0) and "z_loss" not in metrics0
+    assert float(metrics["z_loss"]) > 0
+    g = jax.grad(lambda p: task.loss(p, batch)[0])(params)
+    g0 = jax.grad(lambda p: LMTask(c0).loss(p, batch)[0])(params)
+    assert float(jnp.abs(g["io"]["unembed"] - g0["io"]["unembed"]).max()) > 0
+
+
+# ----------------------------------------------------------------------------- sharding (8 fake devices)
+
+_SHARD_SCRIPT = r"""
+import json, sys, jax, jax.numpy as jnp, flax.linen as nn
+from icml_jax.config_utils import load_config
+from icml_jax.tasks.lm import LMTask
+from icml_jax.train import mesh as mesh_lib, trainer
+from icml_jax.train.optimizer import make_optimizer, lr_schedule
+c = load_config("configs/rmt.py:tiny", unlocked=True)
+c.model.num_heads = c.model.num_kv_heads = 4
+c.model.rmt.key_dim = 8
+c.mesh.data, c.mesh.fsdp, c.mesh.tensor = [int(x) for x in sys.argv[1:4]]
+task = LMTask(c)
+tx = make_optimizer(c.train, model_cfg=c.model)
+mesh, rules = mesh_lib.make_mesh(c.mesh), mesh_lib.logical_rules(c.mesh)
+state, shardings = trainer.create_sharded_state(task, tx, c, mesh, rules)
+toks = jax.random.randint(jax.random.key(0), (8, 33), 0, 250)
+batch = dict(inputs=toks[:, :-1], targets=toks[:, 1:], segment_ids=jnp.ones((8, 32), jnp.int32),
+             positions=jnp.broadcast_to(jnp.arange(32), (8, 32)))
+bs = mesh_lib.batch_sharding(mesh)
+batch = jax.device_put(batch, bs)
+with mesh, nn.logical_axis_rules(rules):
+    step = jax.jit(trainer.make_train_step(task, tx, 1, lr_schedule(c.train)),
+                   in_shardings=(shardings, bs), out_shardings=(shardings, None))
+    losses = []
+    for _ in range(4):
+        state, m = step(state, batch)
+        losses.append(float(m["loss"]))
+out = {"devices": jax.device_count(), "losses": losses, "shardings": {}}
+for path, x in jax.tree_util.tree_leaves_with_path(state.params):
+    out["shardings"][jax.tree_util.keystr(path)] = [str(x.sharding.spec), list(x.shape),
+                                                    list(x.addressable_shards[0].data.shape)]
+print("RESULT" + json.dumps(out))
+"""
+
+
+def _run(devices, mesh):
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}" if devices > 1 else "")
+    p = subprocess.run([sys.executable, "-c", _SHARD_SCRIPT, *map(str, mesh)], cwd=REPO_ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads([x for x in p.stdout.splitlines() if x.startswith("RESULT")][-1][6:])
+
+
+def test_fsdp_tensor_sharding_matches_one_device():
+    one, eight = _run(1, (1, 1, 1)), _run(8, (1, 4, 2))
+    assert one["devices"] == 1 and eight["devices"] == 8
+    np.testing.assert_allclose(one["losses"], eight["losses"], atol=1e-5)
+    assert one["losses"][-1] < one["losses"][0]
+    spec, shape, shard = eight["shardings"]["['layer_0']['attn']['qkv_retrieve']"]  # [K, 3, R]
+    assert shard == [shape[0] // 4, 3, shape[2] // 2], (spec, shape, shard)
+    spec, shape, shard = eight["shardings"]["['io']['embedding']"]  # [V, R, E]: vocab on tensor
+    assert shard[0] == shape[0] // 2, (spec, shape, shard)
+    spec, shape, shard = eight["shardings"]["['layer_0']['mlp']['wi']"]  # [R*E, F]
+    assert shard == [shape[0] // 4, shape[1] // 2], (spec, shape, shard)
+    n_sharded = sum(v[1] != v[2] for v in eight["shardings"].values())
+    assert n_sharded >= len(eight["shardings"]) // 2
