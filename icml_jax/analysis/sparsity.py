@@ -283,11 +283,28 @@ def _valid(batch) -> np.ndarray:
     return np.asarray(batch["segment_ids"]).reshape(-1) > 0
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _dense_with_acts(model, params, inputs, positions, segment_ids):
-    logits, state = model.apply({"params": params}, inputs, positions, segment_ids,
-                                mutable=["intermediates"])
-    return logits, state["intermediates"]
+def _prune(tree, names):
+    """The sub-tree of an intermediates tree holding only the leaves sown under ``names``."""
+    out = {}
+    for k, v in tree.items():
+        if k in names:
+            out[k] = v
+        elif hasattr(v, "items"):
+            sub = _prune(v, names)
+            if sub:
+                out[k] = sub
+    return out
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _dense_sown(model, names, params, inputs, positions, segment_ids):
+    _, state = model.apply({"params": params}, inputs, positions, segment_ids,
+                           mutable=["intermediates"])
+    return _prune(state["intermediates"], names)
+
+
+def _per_layer(x, scanned: bool):
+    return x if scanned else x[None]  # [L', B, T, F]
 
 
 class MLPSites:
@@ -324,7 +341,8 @@ def collect_mlp(model: nn.Module, params, batch: Batch, *, with_sites: bool = Fa
     segment_id > 0, in layer order. Works for scanned and unscanned layers and any residual stream
     whose Block sows ``intermediates/mlp_acts``. ``with_sites`` also returns the ``MLPSites``."""
     params = _unbox(params)
-    _, inter = _dense_with_acts(model, params, batch["inputs"], batch["positions"], batch["segment_ids"])
+    inter = _dense_sown(model, ("mlp_acts",), params, batch["inputs"], batch["positions"],
+                        batch["segment_ids"])
     valid = _valid(batch)
     if not valid.any():
         raise ValueError("batch has no tokens with segment_id > 0")
@@ -335,14 +353,34 @@ def collect_mlp(model: nn.Module, params, batch: Batch, *, with_sites: bool = Fa
         F = acts.shape[-1]
         mpath, w = _find_w_down(params, path, F)
         paths.append(mpath)
-        a_stack = acts[None] if not scanned else acts  # [L', B, T, F]
-        w_stack = w[None] if not scanned else w
-        for a, wl in zip(a_stack, w_stack):
+        for a, wl in zip(_per_layer(acts, scanned), _per_layer(w, scanned)):
             layers.append((np.asarray(a, np.float32).reshape(-1, F)[valid], np.asarray(wl, np.float32)))
     if not layers:
         raise ValueError("the model sowed no intermediates/mlp_acts; its residual Block must sow them")
     sites = MLPSites(paths, scanned, len(layers))
     return (layers, sites) if with_sites else layers
+
+
+def collect_gate_up(model: nn.Module, params, batch: Batch, *, require_gate: bool = True):
+    """Per layer (act(gate)_NF, up_NF) float32 over valid tokens, for analyses of the gate and up
+    projections separately (the reference's MLP is always gated). A plain activation raises
+    unless ``require_gate=False``; then its up is None and its gate is the activation itself."""
+    check_gated(model.cfg.mlp.activation, require_gate)
+    inter = _dense_sown(model, ("mlp_gate", "mlp_up"), _unbox(params), batch["inputs"],
+                        batch["positions"], batch["segment_ids"])
+    valid = _valid(batch)
+    if not valid.any():
+        raise ValueError("batch has no tokens with segment_id > 0")
+    scanned = bool(model.cfg.get("scan_layers", False))
+    out = []
+    for path in _find_sown(inter, "mlp_gate"):
+        node = _subtree(inter, path)
+        flat = lambda x: [np.asarray(v, np.float32).reshape(-1, v.shape[-1])[valid]  # noqa: E731
+                          for v in _per_layer(x[0], scanned)]
+        gates = flat(node["mlp_gate"])
+        ups = flat(node["mlp_up"]) if "mlp_up" in node else [None] * len(gates)
+        out += list(zip(gates, ups))
+    return out
 
 
 def collect_mlp_batches(model, params, batches: Iterable[Batch]):
@@ -506,9 +544,11 @@ def _baseline_result(model, params, batches, sparsity, sites):
             "ppl_ratio": math.exp(ev["loss"] - loss_dense)}
 
 
-def fat_baseline(model, params, batches: Sequence[Batch], eps: float) -> dict:
-    """FAT-e: zero neurons with |act(gate)| < eps (+1e-18, as the reference). Returns
-    {"activation_ratio", "sparsity", "ppl_dense", "ppl_sparse", "ppl_ratio"}."""
+def fat_baseline(model, params, batches: Sequence[Batch], eps: float, *, require_gate: bool = False) -> dict:
+    """FAT-e: zero neurons with |act(gate)| < eps (+1e-18, as the reference; a plain MLP's gate is
+    its activation, unless ``require_gate``). Returns {"activation_ratio", "sparsity",
+    "ppl_dense", "ppl_sparse", "ppl_ratio"}."""
+    check_gated(model.cfg.mlp.activation, require_gate)
     if not eps >= 0:
         raise ValueError(f"FAT eps must be >= 0; got {eps}")
     sites = default_sites(model.cfg)
@@ -516,10 +556,12 @@ def fat_baseline(model, params, batches: Sequence[Batch], eps: float) -> dict:
     return _baseline_result(model, params, batches, tree, sites)
 
 
-def topk_baseline(model, params, batches: Sequence[Batch], k: float, scope: str = "global") -> dict:
+def topk_baseline(model, params, batches: Sequence[Batch], k: float, scope: str = "global", *,
+                  require_gate: bool = False) -> dict:
     """Top-k on |act(gate)| keeping a fraction ``k``: ``scope="global"`` (reference) ranks the
     whole flattened (batch, seq, d_ff) tensor of each batch's valid tokens inside the sparse pass
     and zeroes int(numel * (1 - k)) entries; ``"per_token"`` zeroes int(F * (1 - k)) per token."""
+    check_gated(model.cfg.mlp.activation, require_gate)
     if not 0.0 <= k <= 1.0:
         raise ValueError(f"top-k keep fraction k must lie in [0, 1]; got {k}")
     if scope not in ("global", "per_token"):

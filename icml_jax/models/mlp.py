@@ -5,7 +5,9 @@ Axis letters: B batch, T length, D model width (the MLP's input/output width), F
 An MLP maps x [B, T, D] -> (y [B, T, D], acts [B, T, F]) where ``acts`` are the per-neuron
 activations a_j that multiply row j of W_down (the gated product act(gate)*up for GLU variants,
 act(W_in x) otherwise), exposed for sparsity analysis; returning them does not change the forward
-numerics.
+numerics. When ``intermediates`` is mutable the MLP also sows ``mlp_gate`` (act(gate); the
+activation itself for plain MLPs) and, for GLU variants, ``mlp_up`` (x W_up), for analyses that need
+them separately.
 
 Registered activations (spec ``specs/sparsity_cett.md``; the Sparsing Law paper compares the first
 two at identical settings):
@@ -112,16 +114,20 @@ class _MLPBase(nn.Module):
         wo = param(self, "wo", self.wo_init or default, (c.ffn_dim, D), ("mlp", "embed"), pdt)
         return wi, wo
 
-    def gate_and_acts(self, x_BTD, wi):
-        """(act(gate) [B, T, F], a [B, T, F]) in the compute dtype."""
+    def gate_up_acts(self, x_BTD, wi):
+        """(act(gate), up or None, a), each [B, T, F] in the compute dtype."""
         raise NotImplementedError
 
     @nn.compact
     def __call__(self, x_BTD):
         dt = get_dtype(self.cfg.dtype)
         wi, w_FD = self.kernels()
-        gate_BTF, acts_BTF = self.gate_and_acts(x_BTD.astype(dt), wi.astype(dt))
+        gate_BTF, up_BTF, acts_BTF = self.gate_up_acts(x_BTD.astype(dt), wi.astype(dt))
         acts_BTF = constrain(acts_BTF, ("batch", "length", "act_mlp"))
+        if self.is_mutable_collection("intermediates"):  # analysis only (GLU-only studies)
+            self.sow("intermediates", "mlp_gate", gate_BTF)
+            if up_BTF is not None:
+                self.sow("intermediates", "mlp_up", up_BTF)
         used_BTF = acts_BTF
         keep = _keep_mask(self, acts_BTF, gate_BTF, w_FD)
         if keep is not None:
@@ -136,19 +142,19 @@ class GatedMLP(_MLPBase):
     gated = True
     gate_fn = staticmethod(jax.nn.silu)
 
-    def gate_and_acts(self, x_BTD, w_D2F):
+    def gate_up_acts(self, x_BTD, w_D2F):
         h_BT2F = jnp.einsum("BTD,DCF->BTCF", x_BTD, w_D2F)
-        gate_BTF = self.gate_fn(h_BT2F[:, :, 0])
-        return gate_BTF, gate_BTF * h_BT2F[:, :, 1]
+        gate_BTF, up_BTF = self.gate_fn(h_BT2F[:, :, 0]), h_BT2F[:, :, 1]
+        return gate_BTF, up_BTF, gate_BTF * up_BTF
 
 
 class PlainMLP(_MLPBase):
     """Two-matrix MLP: a = act(x W_in), y = a W_out."""
     act_fn = staticmethod(jax.nn.relu)
 
-    def gate_and_acts(self, x_BTD, w_DF):
+    def gate_up_acts(self, x_BTD, w_DF):
         a_BTF = self.act_fn(jnp.einsum("BTD,DF->BTF", x_BTD, w_DF))
-        return a_BTF, a_BTF
+        return a_BTF, None, a_BTF
 
 
 def _plain(name, fn):
