@@ -204,6 +204,26 @@ def test_param_count_depends_on_key_dim_only_through_key_terms():
     assert (counts[32] - counts[4]) / counts[4] < 0.05  # nearly constant, as the paper claims
 
 
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_scan_matches_layer_loop(remat):
+    """Scanned layers (the layer counter rides in the carry) compute the loop's function, so the
+    per-layer 1/(ℓ+1) scaling survives nn.scan and remat."""
+    m = _cfg().model
+    model, params, tokens = _init(m)
+    params = _randomise(params)
+    base = model.apply({"params": params}, tokens)
+    m2 = _cfg(scan_layers=True, remat=remat).model
+    layers = [params[f"layer_{i}"] for i in range(m.num_layers)]
+    p2 = {"io": params["io"], "layers": jax.tree.map(lambda *xs: jnp.stack(xs), *layers)}
+    chex.assert_trees_all_close(build_model(m2).apply({"params": p2}, tokens), base, atol=1e-5)
+
+
+def test_learned_positions_refuse_kv_cache_decoding():
+    m = _cfg(rmt=dict(position="learned")).model
+    with pytest.raises(ValueError, match="rmt.position='learned'"):
+        build_model(m, decode=True).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+
+
 def test_bad_config_is_a_clear_error():
     m = _cfg(num_kv_heads=1).model
     with pytest.raises(ValueError, match="num_kv_heads"):
