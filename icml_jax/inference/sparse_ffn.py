@@ -95,11 +95,15 @@ def _keep(a, gate, down_norm, threshold, gate_threshold, below):
 def dense_masked_ffn(w: SparseFFNWeights, x_D, threshold, *, activation: str, compare: str = "lt",
                      gate_threshold=None):
     """The masked dense FFN (all 3*D*F multiply-adds): y [D]."""
-    below = _below(compare)
+    return _dense(w, x_D, threshold, activation, gate_threshold, _below(compare))[0]
+
+
+def _dense(w, x_D, threshold, activation, gate_threshold, below):
+    """(y [D], number of kept neurons) of the masked dense FFN."""
     g_F = _gate_fn(activation)(w.w_gate_FD @ x_D)
     a_F = g_F * jnp.einsum("FD,D->F", w.w_updown_F2D[:, 0], x_D)
-    a_F = jnp.where(_keep(a_F, g_F, w.down_norm_F, threshold, gate_threshold, below), a_F, 0)
-    return jnp.einsum("F,FD->D", a_F, w.w_updown_F2D[:, 1])
+    keep = _keep(a_F, g_F, w.down_norm_F, threshold, gate_threshold, below)
+    return jnp.einsum("F,FD->D", jnp.where(keep, a_F, 0), w.w_updown_F2D[:, 1]), keep.sum()
 
 
 def predicted_ffn(w: SparseFFNWeights, x_D, idx_C, valid_C, threshold, *, activation: str,
@@ -109,14 +113,14 @@ def predicted_ffn(w: SparseFFNWeights, x_D, idx_C, valid_C, threshold, *, activa
     What an activation predictor would run: exact iff every neuron that survives the threshold
     rule is in the set. ``sparse_ffn`` calls it with the gate already computed."""
     g_C = _gate_fn(activation)(jnp.take(w.w_gate_FD, idx_C, axis=0) @ x_D)
-    return _gathered(w, x_D, idx_C, valid_C, g_C, threshold, gate_threshold, _below(compare))
+    return _gathered(w, x_D, idx_C, valid_C, g_C, threshold, gate_threshold, _below(compare))[0]
 
 
 def _gathered(w, x_D, idx_C, valid_C, g_C, threshold, gate_threshold, below):
     rows_C2D = jnp.take(w.w_updown_F2D, idx_C, axis=0)
     a_C = g_C * (rows_C2D[:, 0] @ x_D)
     keep = valid_C & _keep(a_C, g_C, w.down_norm_F[idx_C], threshold, gate_threshold, below)
-    return jnp.where(keep, a_C, 0) @ rows_C2D[:, 1]
+    return jnp.where(keep, a_C, 0) @ rows_C2D[:, 1], keep.sum()
 
 
 def candidates(w: SparseFFNWeights, x_D, g_F, threshold, *, compare: str = "lt", gate_threshold=None):
@@ -156,16 +160,13 @@ def sparse_ffn(w: SparseFFNWeights, x_D, threshold, *, activation: str, capacity
         return _gathered(w, x_D, idx_C, valid_C, g_F[idx_C], threshold, gate_threshold, below)
 
     def dense(_):
-        return dense_masked_ffn(w, x_D, threshold, activation=activation, compare=compare,
-                                gate_threshold=gate_threshold)
+        return _dense(w, x_D, threshold, activation, gate_threshold, below)
 
     use_sparse = count <= capacity
-    y_D = jax.lax.cond(use_sparse, sparse, dense, None).reshape(shape)
+    y_D, kept = jax.lax.cond(use_sparse, sparse, dense, None)
     if not return_stats:
-        return y_D
-    a_F = g_F * jnp.einsum("FD,D->F", w.w_updown_F2D[:, 0], x_D)  # stats only (dense)
-    kept = _keep(a_F, g_F, w.down_norm_F, threshold, gate_threshold, below).sum()
-    return y_D, {"candidates": count, "kept": kept, "sparse": use_sparse}
+        return y_D.reshape(shape)
+    return y_D.reshape(shape), {"candidates": count, "kept": kept, "sparse": use_sparse}
 
 
 def capacity_for(ratio: float, F: int, margin: float = 1.25, multiple: int = 8) -> int:
