@@ -48,7 +48,7 @@ class Decoder(nn.Module):
         if segment_ids_BT is None:
             segment_ids_BT = jnp.ones((B, T), jnp.int32)
         io = RESIDUALS.get(c.residual).IO(c, name="io")
-        h = io(tokens_BT)
+        h = io(tokens_BT, positions_BT)
         block = _block_class(c)
         if c.scan_layers:
             stack = nn.scan(block, variable_axes={"params": 0, "intermediates": 0, "cache": 0, "sparsity": 0},

@@ -2,7 +2,7 @@
 
 A residual stream is a pair of module classes:
   ``IO``    owns the token embedding, the final norm and the output projection:
-            ``io(tokens_BT) -> h`` and ``io.unembed(h) -> logits_BTV``;
+            ``io(tokens_BT, positions_BT) -> h`` and ``io.unembed(h) -> logits_BTV``;
   ``Block`` is one layer: ``block(h, positions_BT, segment_ids_BT) -> (h, None)``
             (the ``(carry, None)`` form lets the decoder scan over layers); it takes
             ``Block(cfg, decode=...)`` and keeps its KV cache in the ``cache`` collection.
@@ -48,7 +48,8 @@ class StandardIO(nn.Module):
             self.lm_head = param(self, "lm_head", init, (c.d_model, c.vocab_size),
                                  ("embed", "vocab"), pdt)
 
-    def __call__(self, tokens_BT):
+    def __call__(self, tokens_BT, positions_BT=None):
+        """Token embedding [B, T, D] (positions enter in attention, not here)."""
         h_BTD = jnp.take(self.embedding, tokens_BT, axis=0).astype(get_dtype(self.cfg.dtype))
         return constrain(h_BTD, ("batch", "length", "act_embed"))
 

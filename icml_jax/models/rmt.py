@@ -234,7 +234,7 @@ class RMTIO(nn.Module):
 
     def __call__(self, tokens_BT, positions_BT=None) -> RMTState:
         """tokens [B, T] -> state with X [B, T, E, K]. Learned positions use ``positions_BT``
-        when given, else the slot index (the decoder does not pass positions to the IO yet)."""
+        (per-document positions from the decoder; the slot index when called without them)."""
         c = self.cfg
         dt = get_dtype(c.dtype)
         B, T = tokens_BT.shape
@@ -243,9 +243,6 @@ class RMTIO(nn.Module):
             e_BTRE = e_BTRE * c.rmt.input_multiplier
         if c.rmt.position == "learned":
             if positions_BT is None:
-                if getattr(self.parent, "decode", False):
-                    raise ValueError("config.model.rmt.position='learned' cannot decode with a KV cache"
-                                     " until the decoder passes positions to the IO; use 'alibi'")
                 positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
             p_BTRE = jnp.take(self.pos_embedding, positions_BT, axis=0).astype(dt)
             e_BTRE = e_BTRE + p_BTRE * (c.rmt.input_multiplier if c.rmt.param == "mup" else 1.0)
