@@ -1,0 +1,87 @@
+"""experiments/rmt at its tiny preset: runs end to end, writes well-formed outputs, resumes."""
+import csv
+import json
+import math
+import os
+
+import pytest
+
+from experiments.rmt.__main__ import CSV_FIELDS, PRESETS, main, tokens_to_reach
+
+
+def test_rmt_tiny_outputs_and_resume(tmp_path, monkeypatch):
+    monkeypatch.setenv("TFDS_DATA_DIR", str(tmp_path / "tfds"))
+    wd = str(tmp_path / "exp")
+    exp = PRESETS["tiny"]
+    main([f"--workdir={wd}", "--preset=tiny"])
+    cfg = json.load(open(os.path.join(wd, "config.json")))
+    names = ["transformer", "rmt_matched"] + [f"rmt_dk{k}" for k in exp["key_dims"]]
+    assert sorted(cfg["runs"]) == sorted(names)
+    runs = cfg["runs"]
+    assert runs["transformer"]["config"]["model"]["residual"] == "standard"
+    assert all(runs[n]["config"]["model"]["residual"] == "rmt" for n in names[1:])
+    assert [runs[f"rmt_dk{k}"]["config"]["model"]["rmt"]["key_dim"] for k in exp["key_dims"]] == \
+        list(exp["key_dims"])
+
+    rows = list(csv.DictReader(open(os.path.join(wd, "results.csv"))))
+    assert rows and list(rows[0]) == list(CSV_FIELDS)
+    by_run = {}
+    for r in rows:
+        by_run.setdefault(r["run"], []).append(r)
+    assert sorted(by_run) == sorted(names)
+    t = exp["train"]
+    per_step = t["train.batch_size"] * t["data.seq_len"]
+    n_evals = t["train.steps"] // t["train.eval_every"]
+    V = runs["transformer"]["config"]["model"]["vocab_size"]
+    for name, rs in by_run.items():
+        assert len(rs) == n_evals, name
+        # tokens are the trainer's counted target tokens: at most batch x seq per step, same for all
+        for r in rs:
+            assert 0.9 * int(r["step"]) * per_step <= int(r["tokens"]) <= int(r["step"]) * per_step
+            assert math.isclose(float(r["train_flops"]), int(r["tokens"]) * float(r["flops_per_token"]),
+                                rel_tol=1e-6)
+            assert float(r["step_ms"]) > 0
+        losses = [float(r["eval_loss"]) for r in rs]
+        assert all(math.isfinite(x) for x in losses)
+        assert losses[-1] < losses[0] < math.log(V) + 0.5, (name, losses)  # it learns
+        assert losses[-1] < math.log(V) - 0.5, (name, losses)
+    tokens = {n: by_run[n][-1]["tokens"] for n in names}
+    assert len(set(tokens.values())) == 1, tokens  # equal tokens for every model
+    params = {n: int(by_run[n][0]["params"]) for n in names}
+    assert abs(params["rmt_matched"] / params["transformer"] - 1) < 0.03, params
+    assert params[f"rmt_dk{exp['main_key_dim']}"] < params["transformer"]
+    fpt = [float(by_run[f"rmt_dk{k}"][0]["flops_per_token"]) for k in exp["key_dims"]]
+    assert fpt[0] < fpt[-1] < 1.5 * fpt[0]  # Dk grows the residual, not the FLOPs, much
+
+    md = open(os.path.join(wd, "results.md")).read()
+    for n in names:
+        assert f"| {n} |" in md or f"| {runs[n]['config']['model']['rmt']['key_dim']} |" in md
+    assert "Command:" in md and "seeds [0]" in md and "## Reading" in md
+    assert "python -m experiments.rmt" in md
+    for name in ("loss_vs_tokens.png", "loss_vs_flops.png", "dev_loss_vs_residual.png"):
+        with open(os.path.join(wd, name), "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n", name
+    for n in names:
+        s0 = os.path.join(wd, f"{n}_s0")
+        assert os.path.exists(os.path.join(s0, "metrics.jsonl"))
+        assert os.path.exists(os.path.join(s0, "result.json"))
+
+    # a rerun resumes: no run is retrained, the tables are rebuilt from the cached results
+    stamps = {n: os.path.getmtime(os.path.join(wd, f"{n}_s0", "metrics.jsonl")) for n in names}
+    results = main([f"--workdir={wd}", "--preset=tiny"])
+    assert {n: os.path.getmtime(os.path.join(wd, f"{n}_s0", "metrics.jsonl")) for n in names} == stamps
+    assert results[("transformer", 0)]["final_eval_loss"] == pytest.approx(
+        float(by_run["transformer"][-1]["eval_loss"]), abs=1e-5)
+
+
+def test_tokens_to_reach_interpolates():
+    curve = lambda losses: [{"tokens": 100.0 * (i + 1), "flops": 1e3 * (i + 1), "eval_loss": x}
+                            for i, x in enumerate(losses)]
+    res = {("a", 0): {"curve": curve([3.0, 2.0, 1.0])}, ("a", 1): {"curve": curve([3.0, 2.0, 1.0])}}
+    assert tokens_to_reach(res, "a", 1.5) == pytest.approx((250.0, 2500.0))
+    assert tokens_to_reach(res, "a", 0.5) is None
+
+
+def test_bad_arguments_stop_with_a_message(tmp_path):
+    with pytest.raises(SystemExit, match="--seeds"):
+        main([f"--workdir={tmp_path}", "--preset=tiny", "--seeds=a,b"])
