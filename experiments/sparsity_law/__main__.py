@@ -48,7 +48,7 @@ PRESETS = {
 ACTIVATIONS = ("relu_glu", "swiglu")
 LABELS = {"relu_glu": "ReLU-GLU", "swiglu": "SiLU-GLU (SwiGLU)"}
 FIELDS = ("activation", "step", "tokens", "dense_ppl", "cett_slice_ppl_dense", "cett_slice_ppl_sparse",
-          "ppl_ratio", "cett", "activation_ratio", "sparsity", "thresholds")
+          "ppl_ratio", "cett", "activation_ratio", "sparsity", "gate_active", "thresholds")
 
 
 def eval_steps(steps: int, every: int, points: int) -> list:
@@ -105,6 +105,20 @@ def evaluate_checkpoint(cfg, params, cett_batches, ppl_batches, exp) -> dict:
             "eval_seconds": time.time() - t0}
 
 
+def gate_active(cfg, params, cett_batches) -> dict:
+    """Share of (token, neuron) slots with act(gate) != 0 on the CETT slice: for ReLU-GLU the most
+    neurons the exact decode-time sparse path (``inference/sparse_ffn.py``) can have to gather."""
+    import numpy as np
+    from icml_jax.analysis import sparsity as sp
+    from icml_jax.models import build_model
+    model = build_model(cfg.model)
+    nz = tot = 0
+    for b in cett_batches:
+        for g, _ in sp.collect_gate_up(model, params, b):
+            nz, tot = nz + int(np.count_nonzero(g)), tot + g.size
+    return {"gate_active": nz / tot}
+
+
 def run_activation(cfg, run_dir, exp, steps, batches):
     """Trains (or resumes) one model, evaluates its checkpoints; returns (train info, rows)."""
     from icml_jax.train.trainer import train_and_evaluate
@@ -116,15 +130,19 @@ def run_activation(cfg, run_dir, exp, steps, batches):
         return {"train_seconds": time.time() - t0, "final_loss": s.get("loss"),
                 "eval_loss": s.get("eval_loss"), "params": s.get("params")}
 
-    info = cached(os.path.join(run_dir, "train.json"), key, train)
+    info = dict(cached(os.path.join(run_dir, "train.json"), key, train), eval_seconds=0.0)
     rows = []
     for step in steps:
         ev = cached(os.path.join(run_dir, "eval", f"step_{step:06d}.json"), {**key, "exp": exp, "step": step},
                     lambda: evaluate_checkpoint(cfg, load_params(os.path.join(run_dir, "checkpoints"),
                                                                  step), *batches, exp))
+        ga = cached(os.path.join(run_dir, "eval", f"gate_{step:06d}.json"), {**key, "exp": exp, "step": step},
+                    lambda: gate_active(cfg, load_params(os.path.join(run_dir, "checkpoints"), step),
+                                        batches[0]))
+        info["eval_seconds"] += ev["eval_seconds"]
         tokens = step * cfg.train.batch_size * cfg.data.seq_len
         rows.append({"activation": cfg.model.mlp.activation, "step": step, "tokens": tokens,
-                     **{k: ev[k] for k in FIELDS if k in ev}})
+                     **{k: ev[k] for k in FIELDS if k in ev}, "gate_active": ga["gate_active"]})
         print(f"{cfg.model.mlp.activation} step {step} ({tokens:,} tokens): activation ratio "
               f"{ev['activation_ratio']:.4f} (CETT {ev['cett']:.4f}), dense PPL {ev['dense_ppl']:.3f}",
               flush=True)
@@ -146,6 +164,19 @@ def fit_laws(rows) -> dict:
     return out
 
 
+def fit_problem(f: dict) -> str:
+    """Why a fit is not of the law's form (alpha, c > 0; 0 < A0 <= 1), or "" when it is."""
+    if "error" in f:
+        return f["error"]
+    bad = [f"{k} = {f[k]:.3g}" for k in ("alpha", "c") if not f[k] > 0]
+    if 0 < f["alpha"] < 1e-4 and f["c"] > 1e4:
+        bad.append(f"degenerate: α → 0 with c → ∞, i.e. a pure power law ∝ D^(−{f['c'] * f['alpha']:.2g}) "
+                   "plus A₀")
+    if not 0 < f["A0"] <= 1:
+        bad.append(f"A0 = {f['A0']:.3g} (not a ratio)")
+    return ", ".join(bad)
+
+
 def trend(pts) -> dict:
     """Direction of the ratio with data: Spearman rank correlation with D over all points, and over
     the second half of the log-spaced checkpoints (after the early transient)."""
@@ -160,8 +191,10 @@ def trend(pts) -> dict:
     D = [r["tokens"] for r in pts]
     A = [r["activation_ratio"] for r in pts]
     h = len(pts) // 2
+    steps = np.abs(np.diff(A)) if len(A) > 1 else np.zeros(1)
     return {"spearman": spearman(D, A), "spearman_late": spearman(D[h:], A[h:]),
-            "first": A[0], "last": A[-1], "min": min(A), "max": max(A)}
+            "first": A[0], "last": A[-1], "min": min(A), "max": max(A),
+            "median_step": float(np.median(steps)), "max_step": float(np.max(steps))}
 
 
 def reading(rows, fits) -> list:
@@ -180,6 +213,10 @@ def reading(rows, fits) -> list:
     out.append(f"* SiLU-GLU's ratio rises or saturates (paper): {verdict(sl['last'] >= sl['first'] and sl['spearman'] >= 0)} "
                f"here — {sl['first']:.2%} → {sl['last']:.2%} (min {sl['min']:.2%}, max {sl['max']:.2%}); "
                f"Spearman ρ = {sl['spearman']:+.2f}, later half {sl['spearman_late']:+.2f}.")
+    pp = lambda x: f"{100 * x:.1f} pp"  # noqa: E731
+    out.append(f"* Noise: between adjacent checkpoints the ratio moves by a median {pp(rl['median_step'])} "
+               f"(max {pp(rl['max_step'])}) for ReLU-GLU and {pp(sl['median_step'])} (max {pp(sl['max_step'])}) "
+               "for SiLU-GLU; trends smaller than that are not resolved by this measurement.")
     k = sl["last"] / rl["last"] if rl["last"] > 0 else float("inf")
     out.append(f"* ReLU several times sparser (paper ≈ 5×): SiLU/ReLU activation ratio at the last "
                f"checkpoint = {k:.1f}× — {verdict(k >= 2)} (taking 'several' as ≥ 2×).")
@@ -187,18 +224,20 @@ def reading(rows, fits) -> list:
     out.append(f"* Comparable dense quality: final validation PPL {pr:.3f} (ReLU-GLU) vs {ps:.3f} "
                f"(SiLU-GLU), {abs(pr / ps - 1):.1%} apart — {verdict(abs(pr / ps - 1) < 0.05)} (within 5%).")
     for a in ACTIVATIONS:
-        f = fits.get(a, {})
-        if "error" in f:
-            out.append(f"* The {LABELS[a]} law fit failed: {f['error']}.")
+        bad = fit_problem(fits[a]) if a in fits else ""
+        if bad:
+            out.append(f"* The {LABELS[a]} law fit is not usable ({bad}); its A₀ says nothing here.")
     return out
 
 
 def markdown(rows, fits, meta) -> str:
     lines = ["# Sparsing Law: CETT-PPL-1% activation ratio vs training tokens (ReLU-GLU vs SiLU-GLU)", "",
              f"Command: `{meta['command']}` — commit `{meta['commit']}`, seed {meta['seed']} (init and "
-             f"data order, both models), preset `{meta['preset']}`, {meta['steps']} steps, wall time "
-             f"{meta['wall_seconds'] / 60:.1f} min ({meta['cpus']} CPUs, shared with other jobs; load "
-             f"average {meta['loadavg']:.1f} at the end).", "",
+             f"data order, both models), preset `{meta['preset']}`, {meta['steps']} steps. Time (recorded "
+             f"when each piece was computed; {meta['cpus']} CPUs shared with other jobs): training "
+             f"{meta['train_seconds'] / 60:.1f} min + CETT-PPL evaluation {meta['eval_seconds'] / 60:.1f} "
+             f"min for both models; this invocation {meta['wall_seconds'] / 60:.1f} min (load average "
+             f"{meta['loadavg']:.1f} at its end).", "",
              f"Models: {meta['model']}; identical except `config.model.mlp.activation`. Data: Shakespeare "
              f"(byte tokens), train split; D = step × {meta['batch']} rows × {meta['seq_len']} tokens. "
              f"Evaluation on the validation split: CETT-PPL-{meta['p']:g}% (tol {meta['tol']:g}, 65536-point "
@@ -206,10 +245,15 @@ def markdown(rows, fits, meta) -> str:
              f"on {meta['ppl_tokens']:,}.", "",
              "## Measurements", ""]
     header = ["activation", "step", "tokens", "dense val PPL", "CETT", "activation ratio", "sparsity",
-              "PPL ratio (slice)"]
+              "PPL ratio (slice)", "act(gate) ≠ 0"]
     lines.append(markdown_table(header, [
         [r["activation"], r["step"], f"{r['tokens']:,}", round(r["dense_ppl"], 3), round(r["cett"], 4),
-         f"{r['activation_ratio']:.2%}", f"{r['sparsity']:.2%}", round(r["ppl_ratio"], 4)] for r in rows]))
+         f"{r['activation_ratio']:.2%}", f"{r['sparsity']:.2%}", round(r["ppl_ratio"], 4),
+         f"{r['gate_active']:.1%}"] for r in rows]))
+    lines += ["Activation ratio = fraction of neuron slots (layers × tokens) kept at the CETT-PPL-1% "
+              "thresholds. `act(gate) ≠ 0` = fraction with a nonzero gate activation before any threshold "
+              "(ReLU's natural sparsity; ≈ 100% for SiLU): the most neurons the exact decode-time sparse "
+              "path of `icml_jax/inference/sparse_ffn.py` has to gather.", ""]
     lines += ["## Fitted laws (D in billions of tokens, as in the paper)", ""]
     frows = []
     for a in ACTIVATIONS:
@@ -217,12 +261,14 @@ def markdown(rows, fits, meta) -> str:
         if not f:
             continue
         if "error" in f:
-            frows.append([LABELS[a], "fit failed", "", "", "", "", ""])
+            frows.append([LABELS[a], "fit failed", "", "", "", "", "", f["error"]])
             continue
         form = "exp(−c·D^α + b) + A₀" if a == "relu_glu" else "−c·D^(−α) + A₀"
         frows.append([LABELS[a], form, f"{f['alpha']:.3g}", f"{f['b']:.3g}" if "b" in f else "—",
-                      f"{f['c']:.3g}", f"{f['A0']:.2%}", f"{f['mae']:.2%}"])
-    lines.append(markdown_table(["model", "law", "α", "b", "c", "A₀", "mean abs error"], frows))
+                      f"{f['c']:.3g}", f"{f['A0']:.2%}", f"{f['mae']:.2%}",
+                      fit_problem(f) or "yes"])
+    lines.append(markdown_table(["model", "law", "α", "b", "c", "A₀", "mean abs error", "of the law's form"],
+                                frows))
     lines += ["Paper (0.1B–2.4B models, tens of billions of tokens): ReLU A₀ ≈ 6–8%, SiLU A₀ ≈ 38–41%. The "
               "fits are constrained to the paper's forms (ReLU decreasing towards A₀ < min A, SiLU increasing "
               "towards A₀ > max A), so they cannot show the opposite direction; read the direction from "
@@ -237,10 +283,29 @@ def plots(rows, fits, workdir) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
     import numpy as np
     from icml_jax.analysis import sparsity as sp
     colors = {"relu_glu": "tab:blue", "swiglu": "tab:orange"}
-    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    def axes(ax, ylabel, title, percent):
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        lo, hi = ax.get_ylim()
+        ticks = [v for v in ((0.01, 0.02, 0.03, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0) if percent else
+                             (2, 3, 5, 7, 10, 15, 20, 30, 50, 100, 200)) if lo <= v <= hi]
+        ax.set_yticks(ticks, [f"{v:.0%}" if percent else f"{v:g}" for v in ticks])
+        xlo, xhi = ax.get_xlim()
+        xt = [m * 10 ** e for e in range(2, 10) for m in (1, 2, 5) if xlo <= m * 10 ** e <= xhi]
+        ax.set_xticks(xt, [f"{v / 1e6:g}M" if v >= 1e6 else f"{v / 1e3:g}k" for v in xt])
+        ax.set_xlabel("training tokens D")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title, fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=1, fontsize=8)
+
+    fig, ax = plt.subplots(figsize=(6.6, 5.0))
     for a in ACTIVATIONS:
         pts = [r for r in rows if r["activation"] == a]
         if not pts:
@@ -248,37 +313,34 @@ def plots(rows, fits, workdir) -> None:
         D = np.array([r["tokens"] for r in pts], float)
         ax.plot(D, [r["activation_ratio"] for r in pts], "o", color=colors[a], label=f"{LABELS[a]} (measured)")
         f = fits.get(a, {})
-        if "error" not in f and f:
+        if f and "error" not in f:
             grid = np.geomspace(D.min(), D.max(), 200)
             y = (sp.relu_law(grid / 1e9, f["alpha"], f["b"], f["c"], f["A0"]) if a == "relu_glu"
                  else sp.silu_law(grid / 1e9, f["alpha"], f["c"], f["A0"]))
-            ax.plot(grid, y, "-", color=colors[a], lw=1.5, label=f"{LABELS[a]} law fit, A₀ = {f['A0']:.1%}")
-            ax.axhline(f["A0"], color=colors[a], ls=":", lw=1)
-    ax.set_xscale("log")
+            ok = not fit_problem(f)
+            note = "" if ok else " (flagged, see results.md)"
+            ax.plot(grid, y, "-" if ok else "--", color=colors[a], lw=1.5,
+                    label=f"{LABELS[a]} law fit, A₀ = {f['A0']:.1%}{note}")
+            if 0 < f["A0"] <= 1:
+                ax.axhline(f["A0"], color=colors[a], ls=":", lw=1)
+    ratios = [r["activation_ratio"] for r in rows]
     ax.set_yscale("log")
-    ax.set_xlabel("training tokens D")
-    ax.set_ylabel("CETT-PPL-1% activation ratio")
-    ax.set_title("Activation ratio vs training tokens (dotted: fitted A₀)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.set_ylim(min(ratios) / 1.6, min(1.0, max(ratios) * 1.6))
+    axes(ax, "CETT-PPL-1% activation ratio",
+         "Activation ratio vs training tokens (lines: fitted laws; dotted: A₀)", True)
     fig.tight_layout()
-    fig.savefig(os.path.join(workdir, "activation_ratio_vs_tokens.png"), dpi=120)
+    fig.savefig(os.path.join(workdir, "activation_ratio_vs_tokens.png"), dpi=120, bbox_inches="tight")
     plt.close(fig)
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    fig, ax = plt.subplots(figsize=(6.6, 4.6))
     for a in ACTIVATIONS:
         pts = [r for r in rows if r["activation"] == a]
         if pts:
             ax.plot([r["tokens"] for r in pts], [r["dense_ppl"] for r in pts], "o-", color=colors[a],
                     label=LABELS[a])
-    ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("training tokens D")
-    ax.set_ylabel("dense validation perplexity")
-    ax.set_title("Dense validation perplexity vs training tokens")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    axes(ax, "dense validation perplexity", "Dense validation perplexity vs training tokens", False)
     fig.tight_layout()
-    fig.savefig(os.path.join(workdir, "dense_ppl_vs_tokens.png"), dpi=120)
+    fig.savefig(os.path.join(workdir, "dense_ppl_vs_tokens.png"), dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 
@@ -336,6 +398,8 @@ def main(argv=None):
     meta = {"command": "python -m experiments.sparsity_law " + " ".join(argv if argv is not None else sys.argv[1:]),
             "commit": git_commit(), "seed": base.seed, "preset": a.preset, "steps": t.steps,
             "wall_seconds": time.time() - t_start, "cpus": os.cpu_count(), "loadavg": os.getloadavg()[0],
+            "train_seconds": sum(i["train_seconds"] for i in infos.values()),
+            "eval_seconds": sum(i["eval_seconds"] for i in infos.values()),
             "batch": t.batch_size, "seq_len": L, "p": exp["p"], "tol": exp["tol"],
             "cett_tokens": exp["cett_batches"] * exp["cett_batch_size"] * L,
             "ppl_tokens": exp["ppl_batches"] * exp["ppl_batch_size"] * L,

@@ -39,6 +39,13 @@ def test_sparsity_law_tiny(tmp_path, monkeypatch):
         assert 1.0 < float(r["dense_ppl"]) < 384.0
         th = [float(x) for x in r["thresholds"].split()]
         assert len(th) == base["model"]["num_layers"] and all(x >= 0 for x in th)
+        ga = float(r["gate_active"])
+        if r["activation"] == "swiglu":
+            assert ga > 0.99  # silu is (almost) never exactly 0
+        else:
+            assert 0.0 < ga < 1.0
+            if min(th) > 0:  # a kept ReLU neuron has a nonzero gate
+                assert ratio <= ga + 1e-9
     for a in ACTIVATIONS:  # training works: the last checkpoint beats the first
         ppl = [float(r["dense_ppl"]) for r in rows if r["activation"] == a]
         assert ppl[-1] < 0.8 * ppl[0], (a, ppl)
@@ -69,7 +76,8 @@ def test_sparsity_law_tiny(tmp_path, monkeypatch):
             assert f.read(8) == b"\x89PNG\r\n\x1a\n", name
     # a rerun resumes: nothing is retrained or re-evaluated, the table is the same
     cache = [os.path.join(wd, a, "train.json") for a in ACTIVATIONS] + [
-        os.path.join(wd, a, "eval", f"step_{s:06d}.json") for a in ACTIVATIONS for s in steps]
+        os.path.join(wd, a, "eval", f"{k}_{s:06d}.json") for a in ACTIVATIONS for s in steps
+        for k in ("step", "gate")]
     before = {p: os.path.getmtime(p) for p in cache}
     main([f"--workdir={wd}", "--preset=tiny"])
     assert {p: os.path.getmtime(p) for p in cache} == before
