@@ -76,7 +76,7 @@ class SparseFFNTest(parameterized.TestCase):
 
         def violations(x, t):
             g = sf._gate_fn(activation)(w.w_gate_FD @ x)
-            a = g * (w.w_updown_F2D[:, 0] @ x)
+            a = g * (w.w_up_FD @ x)
             kept = ~(jnp.abs(a) < t / w.down_norm_F)
             return (kept & ~sf.candidates(w, x, g, t) & (a != 0)).sum(), (kept & (a != 0)).sum()
 
