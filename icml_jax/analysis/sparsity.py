@@ -640,6 +640,9 @@ def _polish(f, D, A, p0, keys, valid):
     except (RuntimeError, ValueError):
         pass
     out = dict(zip(keys, map(float, best)))
+    # the linearised line fit leaves alpha's sign free: data that does not follow the law's
+    # direction (e.g. a rising ReLU ratio) gives parameters outside the form, flagged here
+    out["valid"] = bool(valid(*best))
     out["mse"] = _sse(f, D, A, *best) / D.size
     out["mae"] = float(np.mean(np.abs(f(D, *best) - A)))
     return out
@@ -648,7 +651,8 @@ def _polish(f, D, A, p0, keys, valid):
 def fit_silu_law(D, A) -> dict:
     """Fit A = -c * D^(-alpha) + A0 (D in billions): for each A0 > max A the line
     ln(A0 - A) = -alpha ln D + ln c by least squares; A0 by a bounded search on the squared error
-    of A; then LM polish. Returns {"alpha", "c", "A0", "mse", "mae"}."""
+    of A; then LM polish. Returns {"alpha", "c", "A0", "valid", "mse", "mae"}; ``valid`` says whether
+    the parameters satisfy the form (alpha, c > 0, A0 > max A: increasing towards A0)."""
     from scipy.optimize import minimize_scalar
     D, A = _check_fit_data(D, A)
     x, top, span = np.log(D), float(A.max()), max(float(np.ptp(A)), 1e-12)
@@ -670,7 +674,8 @@ def fit_relu_law(D, A) -> dict:
     """Fit A = exp(-c * D^alpha + b) + A0 (D in billions): for each (0 < A0 < min A,
     b > max ln(A - A0)) the line ln(b - ln(A - A0)) = alpha ln D + ln c by least squares;
     (A0, b) from a coarse grid then Nelder-Mead on the squared error of A; then LM polish.
-    Returns {"alpha", "b", "c", "A0", "mse", "mae"}."""
+    Returns {"alpha", "b", "c", "A0", "valid", "mse", "mae"}; ``valid`` says whether the
+    parameters satisfy the form (alpha, c > 0, 0 <= A0 < min A: decreasing towards A0)."""
     from scipy.optimize import minimize
     D, A = _check_fit_data(D, A)
     x, low = np.log(D), float(A.min())

@@ -180,6 +180,7 @@ def test_relu_fit_recovers_synthetic(true):
     D = np.geomspace(0.8, 200, 25)
     A = S.relu_law(D, *true) * (1 + 1e-6 * np.random.RandomState(0).randn(D.size))
     fit = S.fit_relu_law(D, A)
+    assert fit["valid"]
     for k, v in zip(("alpha", "b", "c", "A0"), true):
         assert fit[k] == pytest.approx(v, rel=2e-2, abs=2e-3), (k, fit)
 
@@ -189,8 +190,21 @@ def test_silu_fit_recovers_synthetic(true):
     D = np.geomspace(0.8, 200, 25)
     A = S.silu_law(D, *true) * (1 + 1e-6 * np.random.RandomState(0).randn(D.size))
     fit = S.fit_silu_law(D, A)
+    assert fit["valid"]
     for k, v in zip(("alpha", "c", "A0"), true):
         assert fit[k] == pytest.approx(v, rel=2e-2), (k, fit)
+
+
+def test_fits_flag_data_against_the_law():
+    """A rising ratio is not the ReLU law's form (nor a falling one SiLU's): the line fit's free
+    slope sign must come back flagged, not as a 'valid' decreasing/increasing law."""
+    D = np.geomspace(0.8, 200, 12)
+    rising = 0.4 - 0.1 * D ** -0.5
+    relu = S.fit_relu_law(D, rising)
+    assert not relu["valid"] and not (relu["alpha"] > 0 and relu["c"] > 0)
+    falling = np.exp(-0.3 * D ** 0.5 - 3.0) + 0.07
+    silu = S.fit_silu_law(D, falling)
+    assert not silu["valid"] and not (silu["alpha"] > 0 and silu["c"] > 0)
 
 
 # ----------------------------------------------------------------------------- model level
