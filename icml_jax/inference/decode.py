@@ -18,10 +18,22 @@ them. Logits and log-probs are float32.
 
 Compiles once per (model config, B, P, N, sampling mode); temperature, top-p and top-k values are
 traced, only whether each filter is on is static.
+
+Sparse inference. ``sparsity`` (a thresholds tree from ``analysis.sparsity.thresholds_tree``, or
+any ``sparsity`` collection) is passed to every ``model.apply``, prefill and decode steps alike, so
+each MLP applies its CETT (or FAT) zeroing rule: the masked dense MLP of ``models/mlp.py``. With
+``sparse_capacity`` = C > 0 as well (batch 1, gated MLPs only), ``sparse_ffn.add_gather_rows`` lays
+out the row-contiguous [F, D] gate/up rows and norms ONCE per call, inside the jit but before the
+while loop, and the one-token decode steps take the gathered path of ``inference/sparse_ffn.py``
+(exact: same tokens and logits as C = 0 up to float summation order; more than C candidates fall
+back to the masked dense computation). The prefill stays the masked dense MLP. C is static (it
+lives in the model config, ``config.model.mlp.sparse_capacity``) and changing it recompiles.
+``return_sparse_stats`` reports, per decode step and MLP, whether the gathered branch ran.
 """
 from __future__ import annotations
 
 import functools
+import re
 from typing import NamedTuple, Sequence
 
 import jax
@@ -29,7 +41,9 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from icml_jax.inference import sparse_ffn
 from icml_jax.models.decoder import build_model
+from icml_jax.models.mlp import is_gated
 
 NEG_INF = -1e30
 
@@ -39,6 +53,11 @@ class GenerateOutput(NamedTuple):
     lengths: np.ndarray  # [B] int32 generated tokens per row, a hit stop token included
     logprobs: np.ndarray | None  # [B, N] float32 log p(token) under the raw model (T=1, unfiltered)
     logits: np.ndarray | None = None  # [B, N, V] float32 raw logits per step (return_logits=True)
+    # return_sparse_stats=True: {"sparse" bool, "candidates" int32, "kept" int32}, each [N - 1, M]
+    # for the decode steps (token 1 on; the prefill is never gathered) x the M gathered MLPs in
+    # layer order; "sparse" = the gathered branch ran (False: fallback, or the step never ran,
+    # then candidates = kept = -1)
+    sparse_stats: dict | None = None
 
 
 class SamplerMode(NamedTuple):
@@ -96,16 +115,40 @@ def init_cache(model, batch: int, size: int):
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
-@functools.partial(jax.jit, static_argnames=("model", "max_new", "mode", "return_logits"))
-def _generate(model, params, tokens_BP, positions_BP, segments_BP, key, temperature, top_k, top_p,
-              stop_tokens, pad_id, *, max_new: int, mode: SamplerMode, return_logits: bool):
+def _natural(path) -> list:
+    return [(0, int(s)) if s.isdigit() else (1, s) for k in path for s in re.split(r"(\d+)", str(k)) if s]
+
+
+def _gather_stats(intermediates) -> dict:
+    """The sown ``sparse_ffn_stats`` of one step: {"sparse", "candidates", "kept"}, each [M]
+    (scanned layers contribute [L] each), MLPs in layer order."""
+    leaves = jax.tree_util.tree_flatten_with_path(intermediates)[0]
+    found: dict = {}
+    for path, v in sorted(leaves, key=lambda kv: _natural(kv[0])):
+        keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
+        if "sparse_ffn_stats" in keys:
+            found.setdefault(keys[-1], []).append(jnp.reshape(v, (-1,)))
+    return {k: jnp.concatenate(v) for k, v in found.items()}
+
+
+@functools.partial(jax.jit, static_argnames=("model", "max_new", "mode", "return_logits", "return_stats"))
+def _generate(model, params, sparsity, tokens_BP, positions_BP, segments_BP, key, temperature, top_k,
+              top_p, stop_tokens, pad_id, *, max_new: int, mode: SamplerMode, return_logits: bool,
+              return_stats: bool = False):
     B, P = tokens_BP.shape
     cache = init_cache(model, B, P + max_new)
+    variables = {"params": params}
+    if sparsity is not None:
+        if model.cfg.mlp.get("sparse_capacity", 0):  # row-contiguous weights, once, outside the loop
+            sparsity = sparse_ffn.add_gather_rows(params, sparsity)
+        variables["sparsity"] = sparsity
 
-    def forward(cache, tok_BT, pos_BT, seg_BT):
-        logits_BTV, mut = model.apply({"params": params, "cache": cache}, tok_BT, pos_BT, seg_BT,
-                                      last_only=True, mutable=["cache"])
-        return logits_BTV[:, -1].astype(jnp.float32), mut["cache"]
+    def forward(cache, tok_BT, pos_BT, seg_BT, stats=False):
+        mutable = ["cache", "intermediates"] if stats else ["cache"]
+        logits_BTV, mut = model.apply({**variables, "cache": cache}, tok_BT, pos_BT, seg_BT,
+                                      last_only=True, mutable=mutable)
+        out = (logits_BTV[:, -1].astype(jnp.float32), mut["cache"])
+        return out + (_gather_stats(mut.get("intermediates", {})),) if stats else out
 
     def emit(state, logits_BV, key, i):
         """Samples token i from logits and records it; rows already done emit pad."""
@@ -130,21 +173,32 @@ def _generate(model, params, tokens_BP, positions_BP, segments_BP, key, temperat
     tok, state = emit(state, logits_BV, sub, 0)
     next_pos = jnp.max(positions_BP, axis=1) + 1  # [B]: one past each row's last real token
 
+    def step(cache, tok, i):
+        pos = (next_pos + i - 1)[:, None]
+        return forward(cache, tok[:, None], pos, jnp.ones((B, 1), jnp.int32), stats=return_stats)
+
+    stats = {}
+    if return_stats:  # [N - 1, M] per stat, shapes from one abstract step
+        shapes = jax.eval_shape(lambda c, t: step(c, t, jnp.int32(1))[2], cache, tok)
+        stats = {k: jnp.full((max(max_new - 1, 0),) + s.shape, False if s.dtype == bool else -1, s.dtype)
+                 for k, s in shapes.items()}
+
     def cond(carry):
-        i, _, _, _, state = carry
+        i, _, _, _, state, _ = carry
         return (i < max_new) & ~jnp.all(state[3])
 
     def body(carry):
-        i, cache, tok, key, state = carry
-        pos = (next_pos + i - 1)[:, None]
-        logits_BV, cache = forward(cache, tok[:, None], pos, jnp.ones((B, 1), jnp.int32))
+        i, cache, tok, key, state, stats = carry
+        logits_BV, cache, *step_stats = step(cache, tok, i)
+        if return_stats:
+            stats = {k: v.at[i - 1].set(step_stats[0][k]) for k, v in stats.items()}
         key, sub = jax.random.split(key)
         tok, state = emit(state, logits_BV, sub, i)
-        return i + 1, cache, tok, key, state
+        return i + 1, cache, tok, key, state, stats
 
-    _, _, _, _, state = jax.lax.while_loop(cond, body, (jnp.int32(1), cache, tok, key, state))
+    *_, state, stats = jax.lax.while_loop(cond, body, (jnp.int32(1), cache, tok, key, state, stats))
     out, lps, lgs, _, lengths = state
-    return out, lengths, lps, lgs
+    return out, lengths, lps, lgs, stats
 
 
 # ----------------------------------------------------------------------------- host-side driver
@@ -203,7 +257,8 @@ def _validate(model_cfg, prompts_tokens, max_new_tokens, max_len, temperature, t
 def generate(model_cfg: ml_collections.ConfigDict, params, prompts_tokens: Sequence[Sequence[int]], *,
              key: jax.Array, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
              top_p: float = 1.0, stop_tokens: Sequence[int] = (), pad_id: int = 0,
-             max_len: int | None = None, return_logits: bool = False) -> GenerateOutput:
+             max_len: int | None = None, return_logits: bool = False, sparsity: dict | None = None,
+             sparse_capacity: int | None = None, return_sparse_stats: bool = False) -> GenerateOutput:
     """Continues each prompt (token ids) with KV-cache decoding.
 
     Args:
@@ -219,6 +274,14 @@ def generate(model_cfg: ml_collections.ConfigDict, params, prompts_tokens: Seque
         pad_id: id emitted after a row stopped; also fills the left padding of prompts.
         max_len: optional cap on prompt + new tokens (besides the model's max_seq_len).
         return_logits: also return the raw float32 logits of every step [B, N, V] (debugging).
+        sparsity: a ``sparsity`` collection for every forward, e.g. ``thresholds_tree(model_cfg,
+            per_layer_thresholds)`` (``layer_i/mlp/threshold`` or scanned ``layers/mlp/threshold``
+            [L]): the CETT zeroing rule in the prefill and every decode step (masked dense MLP).
+        sparse_capacity: C > 0 runs the batch-1 decode steps' MLPs on the gathered path of
+            ``inference/sparse_ffn.py`` (C static candidate neurons, dense fallback above; e.g.
+            ``sparse_ffn.capacity_for(ratio, F)``); needs ``sparsity``, a gated MLP and one prompt.
+            None = ``model_cfg.mlp.sparse_capacity`` (0 when absent); 0 = masked dense.
+        return_sparse_stats: also return ``sparse_stats`` (see ``GenerateOutput``).
 
     Returns:
         ``GenerateOutput(tokens [B, N], lengths [B], logprobs [B, N], logits)`` as numpy.
@@ -231,10 +294,34 @@ def generate(model_cfg: ml_collections.ConfigDict, params, prompts_tokens: Seque
     mode = SamplerMode(greedy=greedy, use_top_k=not greedy and top_k > 0,
                        use_top_p=not greedy and top_p < 1.0)
     stops = jnp.asarray(list(stop_tokens) or [-1], jnp.int32)
-    out, lengths, lps, lgs = _generate(
-        build_model(model_cfg, decode=True), params, tokens, positions, segments, key,
+    model_cfg = _with_capacity(model_cfg, sparse_capacity, sparsity, len(prompts_tokens))
+    out, lengths, lps, lgs, stats = _generate(
+        build_model(model_cfg, decode=True), params, sparsity, tokens, positions, segments, key,
         jnp.float32(temperature if not greedy else 1.0), jnp.int32(top_k), jnp.float32(top_p),
         stops, jnp.int32(pad_id), max_new=int(max_new_tokens), mode=mode,
-        return_logits=return_logits)
+        return_logits=return_logits, return_stats=return_sparse_stats)
     return GenerateOutput(np.asarray(out), np.asarray(lengths), np.asarray(lps),
-                          np.asarray(lgs) if return_logits else None)
+                          np.asarray(lgs) if return_logits else None,
+                          {k: np.asarray(v) for k, v in stats.items()} if return_sparse_stats else None)
+
+
+def _with_capacity(model_cfg, sparse_capacity, sparsity, batch: int):
+    """``model_cfg`` with ``mlp.sparse_capacity`` set (a copy when it changes), after the checks."""
+    current = int(model_cfg.mlp.get("sparse_capacity", 0) or 0)
+    capacity = current if sparse_capacity is None else int(sparse_capacity)
+    if capacity:
+        if sparsity is None:
+            raise ValueError(f"generate: sparse_capacity={capacity} needs a sparsity tree (thresholds)")
+        if not is_gated(model_cfg.mlp.activation):
+            raise ValueError(f"generate: sparse_capacity={capacity} needs a gated MLP (relu_glu or "
+                             f"swiglu), not {model_cfg.mlp.activation!r}")
+        if not 0 < capacity <= model_cfg.ffn_dim:
+            raise ValueError(f"generate: sparse_capacity={capacity} must lie in [0, ffn_dim={model_cfg.ffn_dim}]")
+        if batch != 1:
+            raise ValueError(f"generate: sparse_capacity={capacity} is for batch-1 decoding, got {batch} "
+                             "prompts (use sparse_capacity=0: the masked dense path batches)")
+    if capacity == current:
+        return model_cfg
+    cfg = ml_collections.ConfigDict(model_cfg.to_dict())
+    cfg.mlp.sparse_capacity = capacity
+    return cfg

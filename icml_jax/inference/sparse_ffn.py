@@ -33,6 +33,15 @@ not implemented here (``predicted_ffn`` is the gather-everything kernel such a p
 feed, used by ``benchmarks/sparse_ffn.py`` as an upper bound).
 
 Batch 1 only: under ``vmap`` the ``lax.cond`` becomes a select and both branches would run.
+
+As a decoding path. ``decode.generate(..., sparsity=tree, sparse_capacity=C)`` calls
+``add_gather_rows(params, tree)`` once per call, before its while loop: every MLP node of the
+thresholds tree (``layer_i/mlp`` or scanned ``layers/mlp``, leaves [L, ...]) gains the leaves of
+``ROW_LEAVES`` (``gate_rows`` / ``up_rows`` [F, D], ``down_norm`` / ``up_norm`` [F]; W_down is the
+param ``wo``, already [F, D]). ``models/mlp.py`` then runs ``sparse_ffn`` (``return_acts`` and
+``return_stats`` on) for every [1, 1, D] input of a gated MLP when those leaves are present and
+``config.model.mlp.sparse_capacity`` = C > 0, and the masked dense MLP otherwise (the prefill, and
+any batch > 1). The prepared rows cost 2/3 of the FFN weights in extra memory.
 """
 from __future__ import annotations
 
@@ -43,6 +52,10 @@ import jax
 import jax.numpy as jnp
 
 BOUND_MARGIN = 1e-3  # relative slack on the Cauchy-Schwarz bound (float32 dot-product rounding)
+# ``sparsity``-collection leaves of one MLP for the gathered path (``add_gather_rows``); with the
+# param ``wo`` they make its ``SparseFFNWeights`` (``from_leaves``)
+ROW_LEAVES = ("gate_rows", "up_rows", "down_norm", "up_norm")
+_RULE_VARIABLES = ("threshold", "gate_threshold")  # the rules this kernel implements
 
 _GATE_FNS = {"relu_glu": jax.nn.relu, "swiglu": jax.nn.silu}
 
@@ -69,6 +82,40 @@ def prepare(mlp_params: dict) -> SparseFFNWeights:
         w_gate_FD=wi[:, 0, :].T, w_up_FD=w_up_FD, w_down_FD=wo,
         down_norm_F=jnp.linalg.norm(wo.astype(jnp.float32), axis=1),
         up_norm_F=jnp.linalg.norm(w_up_FD.astype(jnp.float32), axis=1))
+
+
+def from_leaves(leaves: dict, w_down_FD) -> SparseFFNWeights:
+    """``SparseFFNWeights`` from one MLP's ``ROW_LEAVES`` (a mapping) and its W_down [F, D]."""
+    return SparseFFNWeights(w_gate_FD=leaves["gate_rows"], w_up_FD=leaves["up_rows"], w_down_FD=w_down_FD,
+                            down_norm_F=leaves["down_norm"], up_norm_F=leaves["up_norm"])
+
+
+def add_gather_rows(params, sparsity: dict) -> dict:
+    """A copy of the ``sparsity`` tree where every node holding a ``threshold`` or
+    ``gate_threshold`` also holds the ``ROW_LEAVES`` of the gated MLP at the same path of
+    ``params``; scanned params (``wi`` [L, D, 2, F], ``wo`` [L, F, D]) give [L, F, D] / [L, F] leaves.
+    Jit-friendly (transposes and norms only)."""
+    params = nn.meta.unbox(params)
+
+    def walk(node, par, path):
+        out = {}
+        for k, v in node.items():
+            if isinstance(v, dict) or hasattr(v, "items"):
+                if k not in par:
+                    raise ValueError(f"sparsity tree node {'/'.join(path + (k,))} has no params node")
+                out[k] = walk(v, par[k], path + (k,))
+            else:
+                out[k] = v
+        if any(n in node for n in _RULE_VARIABLES):
+            if "wi" not in par or jnp.ndim(par["wi"]) not in (3, 4):
+                raise ValueError(f"sparse capacity needs a gated MLP at {'/'.join(path)} (params "
+                                 "{'wi': [D, 2, F], 'wo': [F, D]}); use relu_glu or swiglu")
+            mlp = {"wi": par["wi"], "wo": par["wo"]}
+            w = jax.vmap(prepare)(mlp) if jnp.ndim(par["wi"]) == 4 else prepare(mlp)
+            out.update(gate_rows=w.w_gate_FD, up_rows=w.w_up_FD, down_norm=w.down_norm_F, up_norm=w.up_norm_F)
+        return out
+
+    return walk(sparsity, params, ())
 
 
 def _gate_fn(activation: str):
@@ -100,11 +147,12 @@ def dense_masked_ffn(w: SparseFFNWeights, x_D, threshold, *, activation: str, co
 
 
 def _dense(w, x_D, threshold, activation, gate_threshold, below):
-    """(y [D], number of kept neurons) of the masked dense FFN."""
+    """(y [D], number of kept neurons, kept activations [F]) of the masked dense FFN."""
     g_F = _gate_fn(activation)(w.w_gate_FD @ x_D)
     a_F = g_F * (w.w_up_FD @ x_D)
     keep = _keep(a_F, g_F, w.down_norm_F, threshold, gate_threshold, below)
-    return jnp.where(keep, a_F, 0) @ w.w_down_FD, keep.sum()
+    a_F = jnp.where(keep, a_F, 0)
+    return a_F @ w.w_down_FD, keep.sum(), a_F
 
 
 def predicted_ffn(w: SparseFFNWeights, x_D, idx_C, valid_C, threshold, *, activation: str,
@@ -125,7 +173,8 @@ def _rows(w_FD, idx_C, is_sorted=False):
 def _gathered(w, x_D, idx_C, valid_C, g_C, threshold, gate_threshold, below, is_sorted=False):
     a_C = g_C * (_rows(w.w_up_FD, idx_C, is_sorted) @ x_D)
     keep = valid_C & _keep(a_C, g_C, w.down_norm_F[idx_C], threshold, gate_threshold, below)
-    return jnp.where(keep, a_C, 0) @ _rows(w.w_down_FD, idx_C, is_sorted), keep.sum()
+    a_C = jnp.where(keep, a_C, 0)
+    return a_C @ _rows(w.w_down_FD, idx_C, is_sorted), keep.sum(), a_C
 
 
 def candidates(w: SparseFFNWeights, x_D, g_F, threshold, *, compare: str = "lt", gate_threshold=None):
@@ -140,12 +189,15 @@ def candidates(w: SparseFFNWeights, x_D, g_F, threshold, *, compare: str = "lt",
 
 
 def sparse_ffn(w: SparseFFNWeights, x_D, threshold, *, activation: str, capacity: int,
-               compare: str = "lt", gate_threshold=None, return_stats: bool = False):
+               compare: str = "lt", gate_threshold=None, return_stats: bool = False,
+               return_acts: bool = False):
     """The masked FFN output y [D] (x_D: [D], or [1, D] / [1, 1, D] for one decoded token).
 
     ``threshold`` is this layer's CETT threshold t (a scalar; 0 = dense); ``capacity`` (static) the
     number of neurons gathered (choose it a little above the expected candidate count); more
-    candidates than that fall back to the dense masked computation. ``return_stats`` adds
+    candidates than that fall back to the dense masked computation. ``return_acts`` adds the kept
+    activations [F] (a_j where neuron j is kept, 0 elsewhere: on the gathered branch the other
+    neurons' a_j are never computed); ``return_stats`` then adds
     ``{"candidates": int, "kept": int, "sparse": bool}``."""
     shape = jnp.shape(x_D)
     if jnp.size(x_D) != shape[-1]:
@@ -163,16 +215,21 @@ def sparse_ffn(w: SparseFFNWeights, x_D, threshold, *, activation: str, capacity
         # padding slots repeat F - 1 so the indices stay sorted; they are masked out by valid_C
         (idx_C,) = jnp.nonzero(cand_F, size=capacity, fill_value=F - 1)
         valid_C = jnp.arange(capacity) < count
-        return _gathered(w, x_D, idx_C, valid_C, g_F[idx_C], threshold, gate_threshold, below, True)
+        y, kept, a_C = _gathered(w, x_D, idx_C, valid_C, g_F[idx_C], threshold, gate_threshold, below, True)
+        if not return_acts:
+            return y, kept
+        # padding slots hold a_C = 0, so adding them at F - 1 changes nothing
+        return y, kept, jnp.zeros((F,), a_C.dtype).at[idx_C].add(a_C, mode="promise_in_bounds")
 
     def dense(_):
-        return _dense(w, x_D, threshold, activation, gate_threshold, below)
+        return _dense(w, x_D, threshold, activation, gate_threshold, below)[:3 if return_acts else 2]
 
     use_sparse = count <= capacity
-    y_D, kept = jax.lax.cond(use_sparse, sparse, dense, None)
-    if not return_stats:
-        return y_D.reshape(shape)
-    return y_D.reshape(shape), {"candidates": count, "kept": kept, "sparse": use_sparse}
+    y_D, kept, *acts = jax.lax.cond(use_sparse, sparse, dense, None)
+    out = (y_D.reshape(shape),) + tuple(acts)
+    if return_stats:
+        out += ({"candidates": count, "kept": kept, "sparse": use_sparse},)
+    return out[0] if len(out) == 1 else out
 
 
 def capacity_for(ratio: float, F: int, margin: float = 1.25, multiple: int = 8) -> int:

@@ -36,6 +36,20 @@ Variables combine by AND of the keep masks. The MLP then sows ``intermediates/ml
 [B, T, F], 1 = kept). With no sparsity variable present the module is the dense MLP, bit for bit.
 Under ``scan_layers`` every variable carries a leading [L] axis (``analysis.sparsity`` builds the
 trees).
+
+Gathered decode path (``icml_jax.inference.sparse_ffn``). When ``config.model.mlp.sparse_capacity``
+= C > 0 (static), the MLP is gated, the input is statically [1, 1, D] (one decoded token at batch 1)
+and the ``sparsity`` collection also holds the prepared rows ``sparse_ffn.ROW_LEAVES``
+(``gate_rows`` / ``up_rows`` [F, D], ``down_norm`` / ``up_norm`` [F]; ``decode.generate`` adds them
+with ``sparse_ffn.add_gather_rows`` once per call), the MLP runs ``sparse_ffn.sparse_ffn`` with
+capacity C instead: the same ``threshold`` / ``gate_threshold`` rule on only the candidate neurons'
+up/down rows, the masked dense computation as fallback when there are more than C candidates. There
+``acts`` holds the kept activations (0 for zeroed and never-computed neurons), ``mlp_keep`` /
+``mlp_gate`` / ``mlp_up`` are not sown, and ``intermediates/sparse_ffn_stats`` is sown instead
+(``{"candidates", "kept", "sparse"}`` scalars; ``sparse`` = the gathered branch ran). The prepared
+rows are cast to the compute dtype per step (keep param and compute dtype equal for speed). Every other input
+(the prefill, batch > 1, the top-k variables, no prepared rows) takes the masked dense computation.
+C > 0 on a plain (non-gated) MLP is a ValueError.
 """
 from typing import Callable, Optional
 
@@ -44,6 +58,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from icml_jax.inference import sparse_ffn
 from icml_jax.models.layers import constrain, get_dtype, param
 from icml_jax.registry import Registry
 
@@ -118,10 +133,40 @@ class _MLPBase(nn.Module):
         """(act(gate), up or None, a), each [B, T, F] in the compute dtype."""
         raise NotImplementedError
 
+    def _gather_capacity(self, x_BTD) -> int:
+        """C when this call takes the gathered decode path (see the module docstring), else 0."""
+        capacity = int(self.cfg.mlp.get("sparse_capacity", 0) or 0)
+        if capacity and not self.gated:
+            raise ValueError(f"config.model.mlp.sparse_capacity={capacity} needs a gated MLP "
+                             f"(relu_glu or swiglu), not {self.cfg.mlp.activation!r}")
+        has = lambda n: self.has_variable("sparsity", n)  # noqa: E731
+        ready = (capacity > 0 and x_BTD.shape[:2] == (1, 1) and all(map(has, sparse_ffn.ROW_LEAVES))
+                 and not any(has(n) for n in ("topk_zero", "topk_zero_per_token")))
+        return capacity if ready else 0
+
+    def _gathered(self, x_BTD, w_FD, capacity: int, dt):
+        """(y [1, 1, D], kept acts [1, 1, F]) from ``sparse_ffn.sparse_ffn``; sows its stats."""
+        get = lambda n: self.get_variable("sparsity", n)  # noqa: E731
+        leaves = {n: get(n) for n in sparse_ffn.ROW_LEAVES}
+        leaves["gate_rows"], leaves["up_rows"] = (leaves[n].astype(dt) for n in ("gate_rows", "up_rows"))
+        w = sparse_ffn.from_leaves(leaves, w_FD.astype(dt))
+        t = get("threshold") if self.has_variable("sparsity", "threshold") else 0.0
+        e = (jnp.reshape(get("gate_threshold"), ()) if self.has_variable("sparsity", "gate_threshold")
+             else None)
+        y_D, acts_F, stats = sparse_ffn.sparse_ffn(
+            w, x_BTD[0, 0], t, activation=self.cfg.mlp.activation, capacity=capacity,
+            compare=self.cfg.mlp.get("sparse_compare", "lt"), gate_threshold=e, return_stats=True,
+            return_acts=True)
+        self.sow("intermediates", "sparse_ffn_stats", stats)
+        return y_D.reshape(x_BTD.shape), acts_F.reshape(1, 1, -1)
+
     @nn.compact
     def __call__(self, x_BTD):
         dt = get_dtype(self.cfg.dtype)
         wi, w_FD = self.kernels()
+        capacity = self._gather_capacity(x_BTD)
+        if capacity:
+            return self._gathered(x_BTD.astype(dt), w_FD, capacity, dt)
         gate_BTF, up_BTF, acts_BTF = self.gate_up_acts(x_BTD.astype(dt), wi.astype(dt))
         acts_BTF = constrain(acts_BTF, ("batch", "length", "act_mlp"))
         if self.is_mutable_collection("intermediates"):  # analysis only (GLU-only studies)

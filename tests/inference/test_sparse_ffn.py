@@ -135,3 +135,120 @@ class SparseFFNTest(parameterized.TestCase):
         assert sf.capacity_for(0.065, 4096) == 336
         assert sf.capacity_for(1.0, 512) == 512
         assert sf.capacity_for(0.0, 512) == 8
+
+
+# ----------------------------------------------------------------------------- as a decoding path
+
+PROMPT = [1, 40, 51, 62, 73, 84, 95]
+N_NEW = 10
+
+
+def _lm(scan_layers, activation="relu_glu", scale=4.0):
+    """A tiny decoder (configs/lm.py:tiny) with larger-than-init weights (peaked logits)."""
+    from icml_jax.config_utils import load_config
+    from icml_jax.models.decoder import build_model
+    cfg = load_config("configs/lm.py:tiny", unlocked=True).model
+    cfg.mlp.activation, cfg.scan_layers = activation, scan_layers
+    params = build_model(cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+    return cfg, jax.tree.map(lambda x: x * scale, params)
+
+
+def _searched_thresholds(cfg, params):
+    """Per-layer thresholds from a real (short) CETT-PPL-5% search on random text."""
+    from icml_jax.analysis.sparsity import cett_ppl_search
+    from icml_jax.models.decoder import build_model
+    model = build_model(cfg)
+    inputs = jax.random.randint(jax.random.key(3), (2, 32), 1, cfg.vocab_size)
+    batch = dict(inputs=inputs, positions=jnp.broadcast_to(jnp.arange(32), (2, 32)),
+                 segment_ids=jnp.ones((2, 32), jnp.int32))
+    batch["targets"] = jnp.argmax(model.apply({"params": params}, inputs), -1)
+    res = cett_ppl_search(model, params, [batch], p=5.0, tol=1e-3)
+    assert 0 < res["activation_ratio"] < 1
+    return res["thresholds"]
+
+
+def _gen(cfg, params, **kw):
+    from icml_jax.inference.decode import generate
+    return generate(cfg, params, [PROMPT], key=jax.random.key(0), max_new_tokens=N_NEW, temperature=0,
+                    return_logits=True, **kw)
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_sparse_generate_equals_masked_dense_generate(scan_layers):
+    """Gathered decode steps give the masked dense path's greedy tokens and per-step logits, with
+    the capacity sufficing (every step gathered) and overflowing (every step falls back)."""
+    from icml_jax.analysis.sparsity import thresholds_tree
+    cfg, params = _lm(scan_layers)
+    thresholds = _searched_thresholds(cfg, params) if not scan_layers else [0.05, 0.08]
+    assert min(thresholds) > 0
+    tree = thresholds_tree(cfg, thresholds)
+    masked = _gen(cfg, params, sparsity=tree)
+    dense = _gen(cfg, params)
+    assert np.abs(masked.logits - dense.logits).max() > 1e-3  # the thresholds matter: the test has teeth
+    F, L = cfg.ffn_dim, cfg.num_layers
+    for capacity, gathered in ((48, True), (8, False)):
+        out = _gen(cfg, params, sparsity=tree, sparse_capacity=capacity, return_sparse_stats=True)
+        st = out.sparse_stats
+        assert st["sparse"].shape == (N_NEW - 1, L)  # one entry per decode step and layer: sown by the gathered path
+        assert bool(st["sparse"].all()) if gathered else not st["sparse"].any(), (capacity, st["candidates"])
+        assert (st["kept"] <= st["candidates"]).all() and (st["candidates"] < F).all()
+        np.testing.assert_array_equal(out.tokens, masked.tokens)
+        np.testing.assert_allclose(out.logits, masked.logits, atol=1e-4, rtol=1e-5)
+    assert masked.sparse_stats is None
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_zero_thresholds_sparse_generate_equals_dense(scan_layers):
+    from icml_jax.analysis.sparsity import thresholds_tree
+    cfg, params = _lm(scan_layers)
+    dense = _gen(cfg, params)
+    out = _gen(cfg, params, sparsity=thresholds_tree(cfg, [0.0] * cfg.num_layers), sparse_capacity=48,
+               return_sparse_stats=True)
+    assert bool(out.sparse_stats["sparse"].all())  # ReLU's zero gates alone leave < 48 candidates
+    np.testing.assert_array_equal(out.tokens, dense.tokens)
+    np.testing.assert_allclose(out.logits, dense.logits, atol=1e-4, rtol=1e-5)
+
+
+def test_gather_rows_are_prepared_outside_the_decode_loop():
+    """The transposed rows enter the while loop as loop invariants: its body has no transpose of
+    an [F, D] / [D, F] weight (only the gathers, inside a cond)."""
+    from icml_jax.analysis.sparsity import thresholds_tree
+    from icml_jax.inference import decode
+    from icml_jax.inference.decode import _with_capacity
+    from icml_jax.models.decoder import build_model
+    cfg, params = _lm(False)
+    cfg = _with_capacity(cfg, 48, True, 1)
+    tokens, positions, segments = decode.pad_prompts([PROMPT], 16)
+    jaxpr = jax.make_jaxpr(functools.partial(
+        decode._generate.__wrapped__, build_model(cfg, decode=True), max_new=4,
+        mode=decode.SamplerMode(True, False, False), return_logits=False))(
+        params, thresholds_tree(cfg, [0.05, 0.05]), tokens, positions, segments, jax.random.key(0),
+        1.0, 0, 1.0, jnp.asarray([-1]), 0)
+    (loop,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "while"]
+    body = str(loop.params["body_jaxpr"])
+    F, D = cfg.ffn_dim, cfg.d_model
+    assert "cond[" in body and "gather" in body
+    is_row_transpose = lambda e: e.primitive.name == "transpose" and set(e.outvars[0].aval.shape) == {F, D}  # noqa: E731
+    assert sum(map(is_row_transpose, jaxpr.jaxpr.eqns)) == 2 * cfg.num_layers  # gate + up rows, once
+    assert not any(map(is_row_transpose, loop.params["body_jaxpr"].jaxpr.eqns))
+
+
+def test_sparse_generate_bad_input_is_a_clear_error():
+    from icml_jax.analysis.sparsity import thresholds_tree
+    from icml_jax.inference.decode import generate
+    cfg, params = _lm(False)
+    tree = thresholds_tree(cfg, [0.05, 0.05])
+    kw = dict(key=jax.random.key(0), max_new_tokens=2, temperature=0)
+    with pytest.raises(ValueError, match="needs a sparsity tree"):
+        generate(cfg, params, [PROMPT], sparse_capacity=8, **kw)
+    with pytest.raises(ValueError, match="batch-1"):
+        generate(cfg, params, [PROMPT, PROMPT], sparsity=tree, sparse_capacity=8, **kw)
+    with pytest.raises(ValueError, match="must lie in"):
+        generate(cfg, params, [PROMPT], sparsity=tree, sparse_capacity=cfg.ffn_dim + 1, **kw)
+    gcfg, gparams = _lm(False, activation="gelu")
+    with pytest.raises(ValueError, match="gated MLP"):
+        generate(gcfg, gparams, [PROMPT], sparsity=tree, sparse_capacity=8, **kw)
+    gcfg.mlp.sparse_capacity = 8  # the module itself refuses it too
+    from icml_jax.models.decoder import build_model
+    with pytest.raises(ValueError, match="gated MLP"):
+        build_model(gcfg).apply({"params": gparams}, jnp.zeros((1, 4), jnp.int32))
