@@ -214,7 +214,9 @@ def bench_decode(D: int, F: int, L: int, gate_active: float, tokens: int, repeat
                                 temperature=0, **kw)
     probe = run(sparsity=tree, sparse_capacity=F, return_sparse_stats=True)
     cand = probe.sparse_stats["candidates"]
-    capacity = sf.capacity_for(float(np.quantile(cand, 0.9)) / F, F, margin=1.1)
+    # the candidate count is heavy-tailed: size for the mean (25% slack) and let the rare large
+    # steps fall back to dense, rather than gather a tail-sized set at every step
+    capacity = sf.capacity_for(float(cand.mean()) / F, F)
     setup_s = time.perf_counter() - t0
     variants = {"dense": {}, "dense_masked": dict(sparsity=tree),
                 "sparse": dict(sparsity=tree, sparse_capacity=capacity)}
