@@ -137,6 +137,18 @@ def step_seconds(rows, cfg):
     return float(np.median(times)) if times else float("nan")
 
 
+def _training_seconds(workdir, start, end, seconds):
+    """Appends this invocation's (start step, end step, seconds) to ``workdir/timing.jsonl`` and
+    returns the seconds of every invocation that trained (a resumed, already finished run only
+    re-evaluates: its time is not training time, and the original measurement is kept)."""
+    path = os.path.join(workdir, "timing.jsonl")
+    with open(path, "a") as f:
+        f.write(json.dumps({"start_step": start, "end_step": end, "seconds": seconds}) + "\n")
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return float(sum(r["seconds"] for r in rows if r["start_step"] < r["end_step"]))
+
+
 def train_one(cfg, workdir):
     """Trains (or resumes) one run; returns its digest: params, FLOPs/token, eval curve, step time."""
     from icml_jax.analysis.flops import param_count, train_flops_per_token
@@ -163,7 +175,7 @@ def train_one(cfg, workdir):
             "flops_per_token": float(fpt_paper), "exact_flops_per_token": float(fpt), "curve": curve, "final_eval_loss": curve[-1]["eval_loss"],
             "final_train_loss": float(sum(train[-5:]) / len(train[-5:])),
             "tokens": curve[-1]["tokens"], "step_seconds": step_seconds(rows, cfg),
-            "wall_seconds": wall}
+            "wall_seconds": _training_seconds(workdir, summary["start_step"], summary["step"], wall)}
 
 
 def _describe(name, cfg):

@@ -6,7 +6,8 @@ import os
 
 import pytest
 
-from experiments.rmt.__main__ import CSV_FIELDS, PRESETS, main, tokens_to_reach
+from experiments.rmt.__main__ import (CSV_FIELDS, PRESETS, main, tokens_to_reach, train_one,
+                                     transformer_config)
 
 
 def test_rmt_tiny_outputs_and_resume(tmp_path, monkeypatch):
@@ -30,6 +31,7 @@ def test_rmt_tiny_outputs_and_resume(tmp_path, monkeypatch):
         by_run.setdefault(r["run"], []).append(r)
     assert sorted(by_run) == sorted(names)
     t = exp["train"]
+    t_steps = t["train.steps"]
     per_step = t["train.batch_size"] * t["data.seq_len"]
     n_evals = t["train.steps"] // t["train.eval_every"]
     V = runs["transformer"]["config"]["model"]["vocab_size"]
@@ -72,6 +74,15 @@ def test_rmt_tiny_outputs_and_resume(tmp_path, monkeypatch):
     assert {n: os.path.getmtime(os.path.join(wd, f"{n}_s0", "metrics.jsonl")) for n in names} == stamps
     assert results[("transformer", 0)]["final_eval_loss"] == pytest.approx(
         float(by_run["transformer"][-1]["eval_loss"]), abs=1e-5)
+    # a changed cache key (e.g. a new base-config key) makes the trainer resume from the final
+    # checkpoint: it only re-evaluates, and the measured training time is kept
+    first = results[("transformer", 0)]
+    cfg = transformer_config(json.loads(json.dumps(exp)))
+    again = train_one(cfg, os.path.join(wd, "transformer_s0"))
+    assert again["wall_seconds"] == pytest.approx(first["wall_seconds"])
+    assert again["final_eval_loss"] == pytest.approx(first["final_eval_loss"], abs=1e-5)
+    timing = [json.loads(x) for x in open(os.path.join(wd, "transformer_s0", "timing.jsonl"))]
+    assert [(t["start_step"], t["end_step"]) for t in timing] == [(0, t_steps), (t_steps, t_steps)]
 
 
 def test_tokens_to_reach_interpolates():
