@@ -430,7 +430,7 @@ def plots(runs, results, exp, workdir):
     for k in ks:
         x = s[f"rmt_dk{k}"]
         ax.annotate(f"Dk={k}\n{x['params'] / 1e6:.3f}M", (x["residual"], x["dev"][0]),
-                    textcoords="offset points", xytext=(0, 8), ha="center", fontsize=7)
+                    textcoords="offset points", xytext=(0, -10), ha="center", va="top", fontsize=7)
     xs = [s[f"rmt_dk{k}"]["residual"] for k in ks]
     for x, k in zip(xs, ks):
         ax.scatter([x] * len(s[f"rmt_dk{k}"]["dev_seeds"]), s[f"rmt_dk{k}"]["dev_seeds"],
