@@ -28,3 +28,10 @@ def write_atomic(path: str, text: str) -> None:
     with os.fdopen(fd, "w") as f:
         f.write(text)
     os.replace(tmp, path)
+
+
+def write_report(out_dir: str, name: str, result: dict, markdown: str) -> None:
+    """``out_dir/name.json`` (the raw result) and ``out_dir/name.md`` (the report), each atomic."""
+    import json
+    write_atomic(os.path.join(out_dir, f"{name}.json"), json.dumps(result, indent=2) + "\n")
+    write_atomic(os.path.join(out_dir, f"{name}.md"), markdown)

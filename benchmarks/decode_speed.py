@@ -33,7 +33,7 @@ import time
 
 import numpy as np
 
-from benchmarks.common import median_time, write_atomic
+from benchmarks.common import median_time, write_report
 
 from benchmarks.common import RESULTS_DIR  # noqa: E402
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -213,8 +213,7 @@ def main(argv=None) -> dict:
         "in its own child process. Compile time is excluded (warm-up run) and listed separately. "
         "Medians over repeats. The tiny preset's max_seq_len is raised to 192 to fit 64 + 128."))
     os.makedirs(RESULTS_DIR, exist_ok=True)
-    write_atomic(os.path.join(RESULTS_DIR, "decode_speed.json"), json.dumps(report, indent=2) + "\n")
-    write_atomic(os.path.join(RESULTS_DIR, "decode_speed.md"), _markdown(report))
+    write_report(RESULTS_DIR, "decode_speed", report, _markdown(report))
     return report
 
 

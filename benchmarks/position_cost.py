@@ -15,13 +15,12 @@ XLA_FLAGS is already set. Results: benchmarks/results/position_cost.{json,md} (w
 """
 import argparse
 import datetime
-import json
 import os
 import platform
 import sys
 import time
 
-from benchmarks.common import RESULTS_DIR, write_atomic
+from benchmarks.common import RESULTS_DIR, write_report
 from benchmarks.train_throughput import RECOMMENDED_XLA_FLAGS
 
 METHODS = ("rope", "fope", "alibi", "nope")
@@ -130,9 +129,8 @@ def main(argv=None) -> dict:
     if "XLA_FLAGS" not in os.environ:  # before jax is imported
         os.environ["XLA_FLAGS"] = RECOMMENDED_XLA_FLAGS
     res = run(a.preset, a.steps, a.rounds, a.batch)
-    write_atomic(os.path.join(a.out, "position_cost.json"), json.dumps(res, indent=2) + "\n")
     md = markdown(res)
-    write_atomic(os.path.join(a.out, "position_cost.md"), md)
+    write_report(a.out, "position_cost", res, md)
     print(md)
     return res
 

@@ -7,7 +7,8 @@ Models: the shapes of ``experiments/rmt`` (default preset): the spec's tiny tran
 (L=4, D=128, 4 heads, D_FF=512, gelu_tanh, untied, ALiBi), ``rmt_matched`` (the spec's tiny RMT,
 L=4, Dv=32, R=4, at the experiment's Dk=16, with N_ff widened to the transformer's parameter
 count), ``rmt_spec`` (the same RMT at the spec's N_ff=512) and the matched RMT at Dk=4
-(Dk·Dv = D: a residual as large as the transformer's) and Dk=32. For each it builds the trainer's own jitted, donated step
+(Dk·Dv = D: a residual as large as the transformer's) and Dk=32, plus a wider matched pair
+(``scaled_pair``: transformer D=512, RMT Dv=64, R=8, Dk=32, ~13M parameters each). For each it builds the trainer's own jitted, donated step
 (``create_sharded_state`` + ``make_train_step`` + the task's loss + the trainer's optimiser) on one
 synthetic batch. All steps are compiled first; then ``--rounds`` rounds each time ``--steps``
 steps of every model, the order reversed every other round (interleaved, so load changes on a
@@ -25,7 +26,7 @@ import statistics
 import sys
 import time
 
-from benchmarks.common import RESULTS_DIR, write_atomic
+from benchmarks.common import RESULTS_DIR, write_report
 from benchmarks.train_throughput import RECOMMENDED_XLA_FLAGS
 
 TARGET_GAP = 0.25
@@ -45,7 +46,32 @@ def model_configs(batch: int, seq_len: int) -> dict:
     target = param_count(runs["transformer"].model)
     for dk in (4, 32):
         out[f"rmt_matched_dk{dk}"] = rmt_config(exp, dk, matched_ffn_dim(target, exp, dk))
+    out.update(scaled_pair(exp, d_model=512))
     return out
+
+
+def scaled_pair(exp, d_model: int) -> dict:
+    """A wider matched pair, where matmuls weigh more against the residual traffic: the
+    transformer at D = ``d_model`` (L=4, heads of 64, D_FF = 4D) and the RMT with Dv = 64,
+    R = D/64 and Dk·Dv = 4D (the paper's 305M-vs-405M residual ratio), N_ff matched."""
+    from experiments.rmt.__main__ import matched_ffn_dim, rmt_config, transformer_config
+    from icml_jax.analysis.flops import param_count
+    H = d_model // 64
+    heads = {"model.num_heads": H, "model.num_kv_heads": H, "model.head_dim": 64}
+    wide = dict(exp, transformer={**exp["transformer"], **heads, "model.d_model": d_model,
+                                  "model.ffn_dim": 4 * d_model},
+                rmt={**exp["rmt"], **heads, "model.ffn_dim": 4 * d_model})
+    tf = transformer_config(wide)
+    dk = 4 * d_model // 64
+    tag = f"{param_count(tf.model) / 1e6:.0f}m"
+    return {f"transformer_{tag}": tf,
+            f"rmt_matched_{tag}": rmt_config(wide, dk, matched_ffn_dim(param_count(tf.model), wide, dk))}
+
+
+def _baseline(name: str) -> str:
+    """The transformer a model is compared with: the one with the same size suffix."""
+    tag = name.rsplit("_", 1)[-1]
+    return f"transformer_{tag}" if tag.endswith("m") and tag[:-1].isdigit() else "transformer"
 
 
 def build_step(config, batch: int):
@@ -108,8 +134,9 @@ def run(steps: int, rounds: int, batch: int, seq_len: int) -> dict:
                        "xla_flags": os.environ.get("XLA_FLAGS", "")},
            "batch": batch, "seq_len": seq_len, "steps_per_round": steps, "rounds": rounds,
            "target_gap": TARGET_GAP, "models": {}}
-    ref_min, ref_med = min(times["transformer"]), statistics.median(times["transformer"])
     for n in names:
+        ref = times[_baseline(n)]
+        ref_min, ref_med = min(ref), statistics.median(ref)
         m = configs[n].model
         t_min, t_med = min(times[n]), statistics.median(times[n])
         n_params = sum(x.size for x in jax.tree.leaves(states[n].params))
@@ -125,11 +152,11 @@ def run(steps: int, rounds: int, batch: int, seq_len: int) -> dict:
             "xla_flops": float(cost.get("flops", float("nan"))),
             "xla_bytes_accessed": float(cost.get("bytes accessed", float("nan"))),
             "step_s_min": t_min, "step_s_median": t_med, "step_s_all": times[n],
-            "tokens_per_s": batch * seq_len / t_med,
+            "tokens_per_s": batch * seq_len / t_med, "baseline": _baseline(n),
             "vs_transformer_min": t_min / ref_min, "vs_transformer_median": t_med / ref_med}
-    gap = res["models"]["rmt_matched"]["vs_transformer_median"] - 1
-    res["rmt_matched_gap"] = gap
-    res["within_target"] = bool(gap <= TARGET_GAP)
+    res["gaps"] = {n: r["vs_transformer_median"] - 1 for n, r in res["models"].items()
+                   if n.startswith("rmt_matched") and not n.startswith("rmt_matched_dk")}
+    res["within_target"] = {n: bool(g <= TARGET_GAP) for n, g in res["gaps"].items()}
     return res
 
 
@@ -151,14 +178,17 @@ def markdown(res: dict) -> str:
                      f"{r['xla_bytes_accessed'] / 1e9:.2f} | {r['step_s_min'] * 1e3:.1f} | "
                      f"{r['step_s_median'] * 1e3:.1f} | {r['tokens_per_s']:,.0f} | "
                      f"{r['vs_transformer_min']:.3f} | {r['vs_transformer_median']:.3f} |")
-    verdict = "within" if res["within_target"] else "OUTSIDE"
-    lines += ["", f"Matched-parameter step-time gap (median): **{res['rmt_matched_gap']:+.1%}**, {verdict} "
-              f"the {res['target_gap']:.0%} target (the paper reports +4% on GPUs at 305M/405M).", "",
+    lines += ["", "Matched-parameter step-time gap (median, against the transformer of the same size; "
+              f"target {res['target_gap']:.0%}; the paper reports +4% on GPUs at 305M/405M):", ""]
+    for n, g in res["gaps"].items():
+        verdict = "within" if res["within_target"][n] else "OUTSIDE"
+        lines.append(f"* {n} vs {res['models'][n]['baseline']}: **{g:+.1%}**, {verdict} the target")
+    lines += ["",
               "XLA columns: the compiled step's own cost analysis (`flops`, `bytes accessed`; "
               "independent of machine load). At these sizes the step is bound by memory traffic, "
               "and the RMT moves a Dk×Dv matrix per token through every norm, residual add, "
               "storage and retrieval (and their backward passes) where the transformer moves a "
-              "D-vector, so its bytes grow with Dk at nearly constant FLOPs.", ""]
+              "D-vector, so its bytes grow with Dk at nearly constant FLOPs; the wider pair shows the gap shrinking as matmuls grow (D²) faster than the residual traffic (Dk·Dv = 4D).", ""]
     return "\n".join(lines)
 
 
@@ -176,9 +206,8 @@ def main(argv=None) -> dict:
     if "XLA_FLAGS" not in os.environ:  # before jax is imported
         os.environ["XLA_FLAGS"] = RECOMMENDED_XLA_FLAGS
     res = run(a.steps, a.rounds, a.batch, a.seq_len)
-    write_atomic(os.path.join(a.out, "rmt_cost.json"), json.dumps(res, indent=2) + "\n")
     md = markdown(res)
-    write_atomic(os.path.join(a.out, "rmt_cost.md"), md)
+    write_report(a.out, "rmt_cost", res, md)
     print(md)
     return res
 

@@ -34,7 +34,6 @@ Results: benchmarks/results/sparse_ffn.{json,md} (written atomically).
 import argparse
 import csv
 import datetime
-import json
 import os
 import platform
 import sys
@@ -42,7 +41,7 @@ import sys
 if "XLA_FLAGS" not in os.environ:  # faster CPU dots (see benchmarks/train_throughput.py)
     os.environ["XLA_FLAGS"] = "--xla_cpu_experimental_ynn_fusion_type="
 
-from benchmarks.common import RESULTS_DIR, median_time, write_atomic  # noqa: E402
+from benchmarks.common import RESULTS_DIR, median_time, write_report  # noqa: E402
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXPERIMENT_CSV = os.path.join(REPO_ROOT, "experiments", "sparsity_law", "results", "results.csv")
@@ -287,8 +286,7 @@ def main(argv=None) -> dict:
                          "medians. 'predictor bound' skips the gate with the true active set given (a perfect "
                          "predictor, its cost excluded). Paper: 4.1x at 93.52% sparsity (2.4B ReLU, with a "
                          "predictor)."))
-    write_atomic(os.path.join(RESULTS_DIR, "sparse_ffn.json"), json.dumps(report, indent=2) + "\n")
-    write_atomic(os.path.join(RESULTS_DIR, "sparse_ffn.md"), _markdown(report))
+    write_report(RESULTS_DIR, "sparse_ffn", report, _markdown(report))
     return report
 
 

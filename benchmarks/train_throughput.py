@@ -35,7 +35,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks.common import time_calls, write_atomic
+from benchmarks.common import time_calls, write_report
 
 # XLA CPU flags that this benchmark found faster for training on CPU (see the report): without
 # them jax 0.10.2 routes dots through YNNPACK fusions, which ran on one thread in our step
@@ -417,9 +417,8 @@ def main(argv=None) -> dict:
     res["loadavg_end"] = os.getloadavg()
     res["runtime_s"] = time.time() - t_start
     summarize(res)
-    write_atomic(os.path.join(args.out, "train_throughput.json"), json.dumps(res, indent=2) + "\n")
     md = markdown(res)
-    write_atomic(os.path.join(args.out, "train_throughput.md"), md)
+    write_report(args.out, "train_throughput", res, md)
     print(md)
     return res
 
