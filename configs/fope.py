@@ -59,12 +59,5 @@ PRESETS = {
 
 def get_config(preset: str = "default") -> ml_collections.ConfigDict:
     """``configs/lm.py``'s base config with position="fope" and a preset of PRESETS."""
-    preset = preset or "default"
-    if preset not in PRESETS:
-        raise ValueError(f"configs/fope.py: unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
-    c = lm.base_config()
-    c.model.position = "fope"
-    c.update_from_flattened_dict(lm._flatten(PRESETS[preset]))
-    c.preset = preset
-    c.lock()
-    return c
+    return lm.preset_config(PRESETS, preset, default="default", where="configs/fope.py",
+                            base={"model": {"position": "fope"}})

@@ -179,11 +179,19 @@ PRESETS = {
 
 def get_config(preset: str = "small") -> ml_collections.ConfigDict:
     """Returns the config of a named preset (see PRESETS)."""
-    preset = preset or "small"
-    if preset not in PRESETS:
-        raise ValueError(f"configs/lm.py: unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    return preset_config(PRESETS, preset, default="small", where="configs/lm.py")
+
+
+def preset_config(presets: dict, preset: str, *, default: str, where: str,
+                  base: dict | None = None) -> ml_collections.ConfigDict:
+    """``base_config()`` updated by the nested dicts ``base`` then ``presets[preset]``, locked;
+    the shared ``get_config`` of every config file (``where`` names the file in the error)."""
+    preset = preset or default
+    if preset not in presets:
+        raise ValueError(f"{where}: unknown preset {preset!r}; choose one of {sorted(presets)}")
     c = base_config()
-    c.update_from_flattened_dict(_flatten(PRESETS[preset]))
+    c.update_from_flattened_dict(_flatten(base or {}))
+    c.update_from_flattened_dict(_flatten(presets[preset]))
     c.preset = preset
     c.lock()
     return c

@@ -67,11 +67,4 @@ PRESETS = {
 
 def get_config(preset: str = "small"):
     """Returns the config of a named preset (see PRESETS)."""
-    preset = preset or "small"
-    if preset not in PRESETS:
-        raise ValueError(f"configs/rmt.py: unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
-    c = lm["base_config"]()
-    c.update_from_flattened_dict(lm["_flatten"](PRESETS[preset]))
-    c.preset = preset
-    c.lock()
-    return c
+    return lm["preset_config"](PRESETS, preset, default="small", where="configs/rmt.py")

@@ -46,12 +46,5 @@ PRESETS = {
 
 def get_config(preset: str = "default") -> ml_collections.ConfigDict:
     """``configs/lm.py``'s base config with activation="relu_glu" and a preset of PRESETS."""
-    preset = preset or "default"
-    if preset not in PRESETS:
-        raise ValueError(f"configs/sparsity.py: unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
-    c = lm["base_config"]()
-    c.model.mlp.activation = "relu_glu"
-    c.update_from_flattened_dict(lm["_flatten"](PRESETS[preset]))
-    c.preset = preset
-    c.lock()
-    return c
+    return lm["preset_config"](PRESETS, preset, default="default", where="configs/sparsity.py",
+                               base={"model": {"mlp": {"activation": "relu_glu"}}})
