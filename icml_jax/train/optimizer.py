@@ -12,19 +12,21 @@ import ml_collections
 import optax
 
 
-def lr_schedule(t: ml_collections.ConfigDict) -> optax.Schedule:
+def _warmup_cosine(t: ml_collections.ConfigDict, peak: float) -> optax.Schedule:
     warmup = min(int(t.warmup_steps), max(int(t.steps) - 1, 0))
     return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=t.lr, warmup_steps=warmup, decay_steps=max(int(t.steps), warmup + 1),
-        end_value=t.lr * t.min_lr_ratio)
+        init_value=0.0, peak_value=peak, warmup_steps=warmup, decay_steps=max(int(t.steps), warmup + 1),
+        end_value=peak * t.min_lr_ratio)
+
+
+def lr_schedule(t: ml_collections.ConfigDict) -> optax.Schedule:
+    """Linear warmup from 0 to ``t.lr``, then cosine decay to ``t.lr * t.min_lr_ratio``."""
+    return _warmup_cosine(t, t.lr)
 
 
 def unit_schedule(t: ml_collections.ConfigDict) -> optax.Schedule:
     """``lr_schedule`` divided by the peak lr: warmup 0 -> 1, cosine to ``min_lr_ratio``."""
-    warmup = min(int(t.warmup_steps), max(int(t.steps) - 1, 0))
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=1.0, warmup_steps=warmup, decay_steps=max(int(t.steps), warmup + 1),
-        end_value=t.min_lr_ratio)
+    return _warmup_cosine(t, 1.0)
 
 
 def scale_per_leaf(multipliers) -> optax.GradientTransformation:
