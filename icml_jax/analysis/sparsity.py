@@ -657,10 +657,11 @@ def fit_silu_law(D, A) -> dict:
     D, A = _check_fit_data(D, A)
     x, top, span = np.log(D), float(A.max()), max(float(np.ptp(A)), 1e-12)
 
-    def given(z):  # A0 = max A + span * exp(z)
-        A0 = top + span * math.exp(z)
-        slope, icpt = _line(x, np.log(A0 - A))
-        return -slope, math.exp(icpt), A0
+    def given(z):  # A0 = max A + span * exp(z); non-finite candidates score inf in _sse
+        with np.errstate(all="ignore"):
+            A0 = top + span * float(np.exp(z))
+            slope, icpt = _line(x, np.log(A0 - A))
+            return -slope, float(np.exp(icpt)), A0
 
     grid = np.linspace(-12.0, 6.0, 73)
     z = grid[int(np.argmin([_sse(silu_law, D, A, *given(g)) for g in grid]))]
@@ -682,11 +683,12 @@ def fit_relu_law(D, A) -> dict:
     if low <= 0:
         raise ValueError(f"the ReLU law needs activation ratios A > 0; min A = {low}")
 
-    def given(z):  # A0 = min A * sigmoid(z0), b = max ln(A - A0) + exp(z1)
-        A0 = low / (1.0 + math.exp(-z[0]))
-        b = float(np.log(A - A0).max()) + math.exp(z[1])
-        alpha, icpt = _line(x, np.log(b - np.log(A - A0)))
-        return alpha, b, math.exp(icpt), A0
+    def given(z):  # A0 = min A * sigmoid(z0), b = max ln(A - A0) + exp(z1); non-finite -> inf loss
+        with np.errstate(all="ignore"):
+            A0 = low / (1.0 + float(np.exp(-z[0])))
+            b = float(np.log(A - A0).max()) + float(np.exp(z[1]))
+            alpha, icpt = _line(x, np.log(b - np.log(A - A0)))
+            return alpha, b, float(np.exp(icpt)), A0
 
     loss = lambda z: _sse(relu_law, D, A, *given(z))  # noqa: E731
     starts = sorted(((loss((z0, z1)), (z0, z1)) for z0 in np.linspace(-4, 10, 15)
