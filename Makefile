@@ -8,6 +8,8 @@ FULL_STAMP := $(VENV)/.installed-interop
 WORKDIR ?= runs/demo
 PRESET ?= small
 PYTEST_ARGS ?=
+# tokens sampled after the demo (tiny has max_seq_len 128)
+SAMPLE_TOKENS ?= $(if $(filter tiny,$(PRESET)),100,200)
 
 .PHONY: demo test bench install clean
 
@@ -27,7 +29,7 @@ $(FULL_STAMP): $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m icml_jax.main --config=configs/lm.py:$(PRESET) --workdir=$(WORKDIR)
-	$(PY) -m icml_jax.sample --checkpoint=$(WORKDIR) --prompt="ROMEO." --max_new_tokens=200
+	$(PY) -m icml_jax.sample --checkpoint=$(WORKDIR) --prompt="ROMEO." --max_new_tokens=$(SAMPLE_TOKENS)
 
 test: $(FULL_STAMP)
 	$(PY) -m pytest -n 2 --durations=15 tests $(PYTEST_ARGS)
