@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 from typing import Any, Iterable, Sequence
 
 import flax.linen as nn
@@ -62,6 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
+from icml_jax.models.layers import layer_order_key
 from icml_jax.models.mlp import TINY_GATE, is_gated
 from icml_jax.tasks.lm import token_logprobs
 
@@ -243,10 +243,6 @@ def threshold_for_cett(acts_NF, w_down_FD, target: float, *, grid_size: int = GR
 # ----------------------------------------------------------------------------- model plumbing
 
 
-def _natural_key(path):
-    return [tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", str(k))) for k in path]
-
-
 def _find_sown(tree, name: str, prefix=()):
     """Paths (tuples of keys) of the modules that sowed ``name`` in an intermediates tree."""
     out = []
@@ -255,7 +251,7 @@ def _find_sown(tree, name: str, prefix=()):
             out.append(prefix)
         elif isinstance(v, dict) or hasattr(v, "items"):
             out += _find_sown(v, name, prefix + (k,))
-    return sorted(out, key=_natural_key)
+    return sorted(out, key=layer_order_key)
 
 
 def _subtree(tree, path):

@@ -33,7 +33,6 @@ lives in the model config, ``config.model.mlp.sparse_capacity``) and changing it
 from __future__ import annotations
 
 import functools
-import re
 from typing import NamedTuple, Sequence
 
 import jax
@@ -43,6 +42,7 @@ import numpy as np
 
 from icml_jax.inference import sparse_ffn
 from icml_jax.models.decoder import build_model
+from icml_jax.models.layers import layer_order_key
 from icml_jax.models.mlp import is_gated
 
 NEG_INF = -1e30
@@ -115,16 +115,12 @@ def init_cache(model, batch: int, size: int):
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
-def _natural(path) -> list:
-    return [(0, int(s)) if s.isdigit() else (1, s) for k in path for s in re.split(r"(\d+)", str(k)) if s]
-
-
 def _gather_stats(intermediates) -> dict:
     """The sown ``sparse_ffn_stats`` of one step: {"sparse", "candidates", "kept"}, each [M]
     (scanned layers contribute [L] each), MLPs in layer order."""
     leaves = jax.tree_util.tree_flatten_with_path(intermediates)[0]
     found: dict = {}
-    for path, v in sorted(leaves, key=lambda kv: _natural(kv[0])):
+    for path, v in sorted(leaves, key=lambda kv: layer_order_key(kv[0])):
         keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
         if "sparse_ffn_stats" in keys:
             found.setdefault(keys[-1], []).append(jnp.reshape(v, (-1,)))

@@ -1,4 +1,5 @@
-"""Shared building blocks: logically-partitioned params, dtypes, RMSNorm."""
+"""Shared building blocks: logically-partitioned params, dtypes, RMSNorm, layer-order sorting."""
+import re
 from typing import Sequence
 
 import flax.linen as nn
@@ -19,6 +20,12 @@ def param(module: nn.Module, name: str, init_fn, shape: Sequence[int], axes: Seq
     """Creates a param annotated with logical axis names (one name per dim)."""
     assert len(shape) == len(axes), (name, shape, axes)
     return module.param(name, nn.with_logical_partitioning(init_fn, tuple(axes)), tuple(shape), dtype)
+
+
+def layer_order_key(path) -> list:
+    """Sort key for a param / intermediates path (keys, or jax key-path entries) that compares the
+    numbers inside names as numbers, so ``layer_2`` sorts before ``layer_10``."""
+    return [tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", str(k))) for k in path]
 
 
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
