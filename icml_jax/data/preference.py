@@ -1,0 +1,461 @@
+"""Preference data: read TRL-style JSONL pairs, tokenise them, and batch them with grain.
+
+Axis letters: N examples (pairs or single sequences), B rows per process
+(``global_batch_size // process_count``), T ``seq_len``; the pair axis has size 2
+(index 0 = chosen, 1 = rejected).
+
+File format (huggingface TRL's "standard" preference format, one JSON object per line):
+  explicit prompt  ``{"prompt": "The sky is", "chosen": " blue.", "rejected": " green."}``
+  implicit prompt  ``{"chosen": "The sky is blue.", "rejected": "The sky is green."}`` -- the
+                   prompt is extracted from the shared beginning (``extract_implicit_prompt``).
+Other scalar fields (e.g. numeric ``score_chosen`` / ``score_rejected``) are kept as they are;
+non-scalar extra fields are dropped. Conversational rows (lists of ``{"role", "content"}``
+messages) need a chat template and are not supported: render them to strings first.
+
+Sequence layout. A (prompt, response) pair becomes one sequence
+``[bos] + encode(prompt) + encode(response) + [eos]`` (eos only if ``add_eos``), right-padded with
+``pad_id`` to T. Prompt and response are encoded separately and concatenated, so the response's
+tokens never merge with the prompt's. Truncation, in this order:
+  1. ``max_prompt_len > 0``: the prompt keeps its last ``max_prompt_len`` tokens;
+  2. a sequence longer than T: the prompt is cut from the left (bos stays) but keeps >= 1 token
+     (if it had any); in a pair both sequences keep the same prompt, cut for the longer response;
+  3. still too long: the response is cut from the right (its eos goes first) and keeps >= 1 token.
+``seq_len < 3`` cannot fit bos + 1 prompt token + 1 response token and is refused.
+
+Encoded arrays (numpy int32; single sequences are [N, T], pairs [N, 2, T]):
+  tokens         the sequence; pad_id in padding.
+  segment_ids    1 on real tokens, 0 on padding.
+  positions      0 .. len-1 on real tokens, 0 on padding.
+  response_mask  1 on the response tokens (including the appended eos), 0 on bos, prompt, padding.
+  lengths        [N] (pairs [N, 2]) number of real tokens.
+  scores         pairs only, float32 [N, 2] (score_chosen, score_rejected), when every row has both.
+
+Alignment convention: per-token log-probs are aligned with ``tokens``:
+``logp[..., t] = log p(tokens[..., t] | tokens[..., :t])`` for t >= 1 (logp[..., 0] is unused), so
+``sum(logp * response_mask, -1)`` is the response's log-likelihood -- bos is never in the mask, so
+t = 0 never counts. A reward model reads its score at index ``lengths - 1`` (the last real token:
+eos with ``add_eos``, else the response's last token).
+
+Batches (``pair_train_iterator`` / ``eval_batches``): dicts of numpy arrays with a leading axis B,
+every encoded key plus ``weight`` float32 [B] (1.0 for real examples, 0.0 for eval padding rows).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import grain
+import numpy as np
+
+from icml_jax.data.pipeline import _process_slice
+
+PAIR_KEYS = ("tokens", "segment_ids", "positions", "response_mask", "lengths")
+SCORE_FIELDS = ("score_chosen", "score_rejected")
+_SCALARS = (str, int, float, bool, type(None))
+
+
+class PreferenceDataError(ValueError):
+    """A malformed preference file or row; the message names ``path:line``, field and fix."""
+
+
+# ----------------------------------------------------------------------------------------- reading
+
+
+def extract_implicit_prompt(chosen: str, rejected: str) -> tuple[str, str, str]:
+    """Splits two full texts into (prompt, chosen response, rejected response).
+
+    The prompt is the longest common prefix of the two texts, cut back to the last whitespace
+    character inside it; that whitespace character and everything after it belong to the
+    responses, so both responses start at a word boundary and are non-empty:
+    ``("The sky is blue.", "The sky is green.") -> ("The sky is", " blue.", " green.")`` and
+    ``("The sky is blue", "The sky isn't") -> ("The sky", " is blue", " isn't")``. Without
+    whitespace in the common prefix the prompt is ``""``.
+
+    TRL's ``extract_prompt`` (strings) agrees on the common case (the texts first differ just
+    after a space, which moves to the responses) but otherwise splits at the first differing
+    character, even inside a word (``"... bl" + "ue"`` vs ``"... bl" + "ack"``), and leaves an empty
+    response when one text is a prefix of the other; we cut back to whitespace instead.
+    """
+    k = 0
+    for a, b in zip(chosen, rejected):
+        if a != b:
+            break
+        k += 1
+    j = k - 1
+    while j >= 0 and not chosen[j].isspace():
+        j -= 1
+    j = max(j, 0)
+    return chosen[:j], chosen[j:], rejected[j:]
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "an object"
+    return "null" if value is None else type(value).__name__
+
+
+def _check_row(row: Any, where: str) -> dict[str, Any]:
+    """Validates one parsed JSON value; returns the normalised row."""
+    if not isinstance(row, dict):
+        raise PreferenceDataError(
+            f"{where}: expected a JSON object with fields 'chosen' and 'rejected' (and optionally "
+            f"'prompt'), got {_describe(row)}; write one object per line.")
+    for field in ("chosen", "rejected"):
+        if field not in row:
+            hint = (" This looks like TRL's unpaired format (prompt/completion/label), which is "
+                    "not supported; pair a preferred and a dispreferred completion per row."
+                    if "completion" in row else "")
+            raise PreferenceDataError(
+                f"{where}: missing field {field!r} (fields: {sorted(row)}); every row needs "
+                f"string fields 'chosen' and 'rejected'.{hint}")
+    for field in ("prompt", "chosen", "rejected"):
+        if field not in row:
+            continue
+        value = row[field]
+        if isinstance(value, list) or (isinstance(value, dict) and "content" in value):
+            raise PreferenceDataError(
+                f"{where}: field {field!r} is conversational (a list of messages); that needs a "
+                "chat template, which is not supported here. Render the conversation to a string "
+                "first (e.g. with the tokenizer's chat template) and store the text.")
+        if not isinstance(value, str):
+            raise PreferenceDataError(
+                f"{where}: field {field!r} must be a string, got {_describe(value)}; store the "
+                "text as a JSON string.")
+    for field in SCORE_FIELDS:
+        if field in row:
+            v = row[field]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise PreferenceDataError(
+                    f"{where}: field {field!r} must be a finite number, got {v!r}; drop the "
+                    "field or store the score as a JSON number.")
+    if row["chosen"] == row["rejected"]:
+        raise PreferenceDataError(
+            f"{where}: fields 'chosen' and 'rejected' are identical, so the pair carries no "
+            "preference; remove the row or fix one of the two responses.")
+    if "prompt" in row:
+        prompt, chosen, rejected = row["prompt"], row["chosen"], row["rejected"]
+    else:
+        prompt, chosen, rejected = extract_implicit_prompt(row["chosen"], row["rejected"])
+    for field, value in (("chosen", chosen), ("rejected", rejected)):
+        if not value:
+            raise PreferenceDataError(
+                f"{where}: field {field!r} is an empty response; every response needs at least "
+                "one character (remove the row or fill in the response).")
+    out = {"prompt": prompt, "chosen": chosen, "rejected": rejected}
+    out.update({k: v for k, v in row.items() if k not in out and isinstance(v, _SCALARS)})
+    return out
+
+
+def read_preference_jsonl(path: str) -> list[dict[str, Any]]:
+    """Reads a preference JSONL file (formats in the module docstring).
+
+    Returns:
+      one dict per non-blank line, ``{"prompt": str, "chosen": str, "rejected": str, ...}`` where
+      ``...`` are the row's other scalar fields, unchanged.
+
+    Raises:
+      FileNotFoundError: ``path`` does not exist.
+      PreferenceDataError: a malformed row (message: ``path:line: field: what is wrong; fix``),
+        a directory instead of a file, or a file without rows.
+    """
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"preference file {path!r} does not exist; point the config at a "
+                                "JSONL file with one {prompt, chosen, rejected} object per line.")
+    if not os.path.isfile(path):
+        raise PreferenceDataError(f"preference file {path!r} is a directory; point the config at "
+                                  "a .jsonl file.")
+    rows = []
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise PreferenceDataError(f"{where}: not valid UTF-8 (byte {e.start}); save the "
+                                          "file as UTF-8.") from None
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise PreferenceDataError(f"{where}: not valid JSON ({e.msg} at column {e.colno}); "
+                                          "each line must be one JSON object.") from None
+            rows.append(_check_row(row, where))
+    if not rows:
+        raise PreferenceDataError(f"{path}: no preference rows (the file is empty or only blank "
+                                  "lines); write one {prompt, chosen, rejected} object per line.")
+    return rows
+
+
+def _json_value(v: Any) -> Any:
+    return v.item() if isinstance(v, np.generic) else v
+
+
+def write_preference_jsonl(path: str, rows: Sequence[Mapping[str, Any]]) -> None:
+    """Writes rows in the explicit-prompt form, atomically (temp file + ``os.replace``).
+
+    Each row needs string ``prompt``, ``chosen`` and ``rejected``; its other fields are written
+    after them (numpy scalars as plain numbers). ``read_preference_jsonl`` reads the file back to
+    the same rows (non-scalar extra fields aside, which the reader drops).
+    """
+    lines = []
+    for i, row in enumerate(rows):
+        for field in ("prompt", "chosen", "rejected"):
+            if not isinstance(row.get(field), str):
+                raise PreferenceDataError(
+                    f"{path}: row {i}: field {field!r} must be a string, got "
+                    f"{_describe(row.get(field))}; every written row needs string prompt, chosen "
+                    "and rejected.")
+        out = {k: row[k] for k in ("prompt", "chosen", "rejected")}
+        out.update({k: _json_value(v) for k, v in row.items() if k not in out})
+        lines.append(json.dumps(out, ensure_ascii=False) + "\n")
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=os.path.basename(path) + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.writelines(lines)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+# ---------------------------------------------------------------------------------------- encoding
+
+
+def _check_encode_args(seq_len: int, max_prompt_len: int) -> None:
+    if not isinstance(seq_len, (int, np.integer)) or seq_len < 3:
+        raise ValueError(
+            f"seq_len={seq_len!r} (config.data.seq_len) is too short for a preference sequence: "
+            "it needs >= 3 tokens (bos, >= 1 prompt token, >= 1 response token).")
+    if not isinstance(max_prompt_len, (int, np.integer)) or max_prompt_len < 0:
+        raise ValueError(f"max_prompt_len={max_prompt_len!r} must be an integer >= 0 (0 = no "
+                         "prompt limit).")
+
+
+def _fit(prompt: list[int], responses: list[list[int]], seq_len: int,
+         max_prompt_len: int) -> tuple[list[int], list[list[int]], bool, list[bool]]:
+    """Truncates one shared prompt and its responses to fit ``seq_len`` (rules in the docstring)."""
+    prompt_cut = False
+    if max_prompt_len and len(prompt) > max_prompt_len:
+        prompt, prompt_cut = prompt[len(prompt) - max_prompt_len:], True
+    room = seq_len - 1 - max(len(r) for r in responses)
+    keep = max(min(len(prompt), 1), room)
+    if keep < len(prompt):
+        prompt, prompt_cut = prompt[len(prompt) - keep:], True
+    budget = seq_len - 1 - len(prompt)  # >= 1 because seq_len >= 3 and len(prompt) <= 1 here
+    return prompt, [r[:budget] for r in responses], prompt_cut, [len(r) > budget for r in responses]
+
+
+def _fill(out: dict[str, np.ndarray], idx: tuple, bos: int, prompt: list[int],
+          response: list[int]) -> None:
+    n_p, n = len(prompt), 1 + len(prompt) + len(response)
+    out["tokens"][idx + (slice(0, n),)] = [bos] + prompt + response
+    out["segment_ids"][idx + (slice(0, n),)] = 1
+    out["positions"][idx + (slice(0, n),)] = np.arange(n)
+    out["response_mask"][idx + (slice(1 + n_p, n),)] = 1
+    out["lengths"][idx] = n
+
+
+def _empty(shape: tuple[int, ...], pad_id: int) -> dict[str, np.ndarray]:
+    out = {k: np.zeros(shape, np.int32) for k in PAIR_KEYS if k != "lengths"}
+    out["tokens"][...] = pad_id
+    out["lengths"] = np.zeros(shape[:-1], np.int32)
+    return out
+
+
+def _response_ids(tokenizer: Any, text: str, add_eos: bool, what: str) -> list[int]:
+    ids = list(tokenizer.encode(text)) + ([tokenizer.eos_id] if add_eos else [])
+    if not ids:
+        raise ValueError(f"{what} encodes to no tokens (empty response and add_eos=False); a "
+                         "response needs >= 1 token to be scored.")
+    return ids
+
+
+def encode_responses(prompts: Sequence[str], responses: Sequence[str], tokenizer: Any,
+                     seq_len: int, *, max_prompt_len: int = 0,
+                     add_eos: bool = True) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+    """Encodes (prompt, response) pairs as single sequences (layout in the module docstring).
+
+    Args:
+      prompts, responses: N strings each.
+      tokenizer: from ``build_tokenizer`` (``encode``, ``bos_id``, ``eos_id``, ``pad_id``).
+      seq_len: T (>= 3).
+      max_prompt_len: > 0 keeps only the prompt's last ``max_prompt_len`` tokens.
+      add_eos: append ``eos_id`` to every response (part of the response mask).
+
+    Returns:
+      (arrays, stats): ``tokens``, ``segment_ids``, ``positions``, ``response_mask`` int32 [N, T]
+      and ``lengths`` int32 [N]; stats ``{"n": N, "truncated_prompt": k, "truncated_response": m}``
+      counting the sequences whose prompt / response was cut.
+    """
+    _check_encode_args(seq_len, max_prompt_len)
+    if len(prompts) != len(responses):
+        raise ValueError(f"encode_responses got {len(prompts)} prompts but {len(responses)} "
+                         "responses; pass one prompt per response.")
+    if not prompts:
+        raise ValueError("encode_responses got no examples.")
+    out = _empty((len(prompts), seq_len), tokenizer.pad_id)
+    stats = {"n": len(prompts), "truncated_prompt": 0, "truncated_response": 0}
+    for i, (prompt, response) in enumerate(zip(prompts, responses)):
+        p, (r,), p_cut, (r_cut,) = _fit(
+            list(tokenizer.encode(prompt)),
+            [_response_ids(tokenizer, response, add_eos, f"response {i}")], seq_len, max_prompt_len)
+        _fill(out, (i,), tokenizer.bos_id, p, r)
+        stats["truncated_prompt"] += p_cut
+        stats["truncated_response"] += r_cut
+    return out, stats
+
+
+def encode_pairs(rows: Sequence[Mapping[str, Any]], tokenizer: Any, seq_len: int, *,
+                 max_prompt_len: int = 0,
+                 add_eos: bool = True) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+    """Encodes preference rows as (chosen, rejected) sequence pairs sharing one prompt.
+
+    Args:
+      rows: N dicts with string ``prompt``, ``chosen``, ``rejected`` (``read_preference_jsonl``).
+      tokenizer, seq_len, max_prompt_len, add_eos: as in ``encode_responses``. The prompt is cut
+        once per pair (for the longer response) so chosen and rejected see the same context.
+
+    Returns:
+      (arrays, stats): ``tokens``, ``segment_ids``, ``positions``, ``response_mask`` int32
+      [N, 2, T], ``lengths`` int32 [N, 2] (index 0 = chosen, 1 = rejected), plus ``scores`` float32
+      [N, 2] when every row has numeric ``score_chosen`` and ``score_rejected``. stats:
+      ``{"n": N, "truncated_prompt": pairs whose prompt was cut, "truncated_response": pairs with a
+      cut response, "truncated_chosen": ..., "truncated_rejected": ...}``.
+    """
+    _check_encode_args(seq_len, max_prompt_len)
+    if not rows:
+        raise ValueError("encode_pairs got no rows.")
+    out = _empty((len(rows), 2, seq_len), tokenizer.pad_id)
+    stats = {"n": len(rows), "truncated_prompt": 0, "truncated_response": 0,
+             "truncated_chosen": 0, "truncated_rejected": 0}
+    for i, row in enumerate(rows):
+        for field in ("prompt", "chosen", "rejected"):
+            if not isinstance(row.get(field), str):
+                raise PreferenceDataError(f"row {i}: field {field!r} must be a string, got "
+                                          f"{_describe(row.get(field))}; read rows with "
+                                          "read_preference_jsonl.")
+        responses = [_response_ids(tokenizer, row[f], add_eos, f"row {i} field {f!r}")
+                     for f in ("chosen", "rejected")]
+        p, rs, p_cut, r_cuts = _fit(list(tokenizer.encode(row["prompt"])), responses, seq_len,
+                                    max_prompt_len)
+        for j, r in enumerate(rs):
+            _fill(out, (i, j), tokenizer.bos_id, p, r)
+        stats["truncated_prompt"] += p_cut
+        stats["truncated_response"] += any(r_cuts)
+        stats["truncated_chosen"] += r_cuts[0]
+        stats["truncated_rejected"] += r_cuts[1]
+    if all(isinstance(row.get(f), (int, float, np.number)) and not isinstance(row.get(f), bool)
+           for row in rows for f in SCORE_FIELDS):
+        out["scores"] = np.array([[row[f] for f in SCORE_FIELDS] for row in rows], np.float32)
+    return out, stats
+
+
+# ---------------------------------------------------------------------------------------- batching
+
+
+def _num_rows(arrays: Mapping[str, np.ndarray]) -> int:
+    if not arrays:
+        raise ValueError("got an empty dict of arrays; pass the output of encode_pairs / "
+                         "encode_responses.")
+    sizes = {k: np.shape(v)[0] if np.ndim(v) else None for k, v in arrays.items()}
+    if len(set(sizes.values())) != 1 or None in sizes.values() or not next(iter(sizes.values())):
+        raise ValueError(
+            f"arrays must share a non-empty leading axis N, got leading sizes {sizes}.")
+    return next(iter(sizes.values()))
+
+
+class _RowSource:
+    """Random-access source: element i is ``{key: array[i]}``."""
+
+    def __init__(self, arrays: Mapping[str, np.ndarray]):
+        self._n = _num_rows(arrays)
+        self._arrays = {k: np.asarray(v) for k, v in arrays.items()}
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        return {k: v[i] for k, v in self._arrays.items()}
+
+    def __repr__(self) -> str:
+        return f"_RowSource(n={self._n}, keys={sorted(self._arrays)})"
+
+
+class _SliceAndWeigh(grain.transforms.Map):
+    """Keeps this process's rows [start, start + size) of a global batch and adds ``weight``."""
+
+    def __init__(self, start: int, size: int):
+        self.start, self.size = start, size
+
+    def map(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        out = {k: v[self.start:self.start + self.size] for k, v in batch.items()}
+        out["weight"] = np.ones((self.size,), np.float32)
+        return out
+
+
+def pair_train_iterator(arrays: Mapping[str, np.ndarray], global_batch_size: int, seed: int, *,
+                        process_index: int | None = None,
+                        process_count: int | None = None) -> grain.DatasetIterator:
+    """Endless, shuffled training batches of the rows of ``arrays``.
+
+    Epoch e is a permutation of the N rows seeded by (seed, e); epochs are concatenated and cut
+    into global batches of ``global_batch_size`` rows (a batch may straddle two epochs; no row is
+    dropped). Every process builds the same global batch and keeps rows ``[p * B, (p + 1) * B)``.
+
+    Args:
+      arrays: dict of arrays with a common leading axis N (``encode_pairs`` / ``encode_responses``).
+      global_batch_size: rows across all processes; must divide by process_count.
+      seed: shuffling seed; equal seeds give identical batches.
+      process_index, process_count: default to ``jax.process_index() / process_count()``.
+
+    Returns:
+      a grain ``DatasetIterator`` (``get_state()`` / ``set_state()``; save it with
+      ``grain.checkpoint.CheckpointSave``) of dicts: every key of ``arrays`` with shape
+      [B, *array.shape[1:]] and its dtype, plus ``weight`` float32 [B] of ones.
+    """
+    start, size = _process_slice(global_batch_size, process_index, process_count)
+    ds = grain.MapDataset.source(_RowSource(arrays)).shuffle(seed=int(seed)).repeat(None)
+    ds = ds.batch(global_batch_size, drop_remainder=True).map(_SliceAndWeigh(start, size))
+    return iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)))
+
+
+def eval_batches(arrays: Mapping[str, np.ndarray], batch_size: int, *, max_batches: int = 0,
+                 process_index: int | None = None,
+                 process_count: int | None = None) -> list[dict[str, np.ndarray]]:
+    """The rows of ``arrays`` in order, in global batches of exactly ``batch_size`` rows.
+
+    The last batch is completed with copies of row 0 whose ``weight`` is 0.0 (real rows have 1.0),
+    so a weighted sum over all batches counts every example exactly once. ``max_batches > 0``
+    keeps that many batches evenly spaced over the data (like ``pipeline.make_eval_batches``).
+    Each batch is sliced per process as in ``pair_train_iterator``.
+
+    Returns:
+      a list of dicts: every key of ``arrays`` as [B, ...] plus ``weight`` float32 [B].
+    """
+    start, size = _process_slice(batch_size, process_index, process_count)
+    n = _num_rows(arrays)
+    num = -(-n // batch_size)
+    order = np.concatenate([np.arange(n), np.zeros(num * batch_size - n, np.int64)])
+    weight = (np.arange(num * batch_size) < n).astype(np.float32)
+    keep = range(num)
+    if max_batches and 0 < max_batches < num:
+        keep = np.unique(np.linspace(0, num - 1, max_batches).round().astype(int))
+    batches = []
+    for b in keep:
+        rows = slice(b * batch_size + start, b * batch_size + start + size)
+        batch = {k: np.asarray(v)[order[rows]] for k, v in arrays.items()}
+        batch["weight"] = weight[rows]
+        batches.append(batch)
+    return batches
