@@ -86,6 +86,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.text_key = "text"  # JSONL field, or the TFDS feature holding the text
     c.data.data_dir = ""  # TFDS data dir; "" = $TFDS_DATA_DIR or ~/tensorflow_datasets
     c.data.seq_len = 256
+    # preference / reward-model tasks (data.name="preference_jsonl"; icml_jax/data/preference.py)
+    c.data.eval_path = ""  # validation pairs (JSONL); "" = the first pairs of data.path
+    c.data.max_prompt_len = 0  # > 0: prompts keep their last max_prompt_len tokens
+    c.data.add_eos = True  # append eos to every response (TRL's convention)
     c.data.tokenizer = ml_collections.ConfigDict()
     c.data.tokenizer.type = "byte"  # byte | sentencepiece
     c.data.tokenizer.model_path = ""  # a SentencePiece .model file
@@ -114,6 +118,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.sample_temperature = 0.8
     c.train.sample_prompts = ("ROMEO.", "To be, or not to be", "KING HENRY.")
     c.train.progress = True
+    # a training workdir (e.g. the SFT run) whose newest params initialise this run (fresh runs
+    # only; a resumed run restores its own checkpoint). Reward models load it into the backbone.
+    c.train.init_from = ""
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = -1  # -1 = infer from the device count
@@ -183,13 +190,16 @@ def get_config(preset: str = "small") -> ml_collections.ConfigDict:
 
 
 def preset_config(presets: dict, preset: str, *, default: str, where: str,
-                  base: dict | None = None) -> ml_collections.ConfigDict:
-    """``base_config()`` updated by the nested dicts ``base`` then ``presets[preset]``, locked;
-    the shared ``get_config`` of every config file (``where`` names the file in the error)."""
+                  base: dict | None = None, sections: dict | None = None) -> ml_collections.ConfigDict:
+    """``base_config()`` plus the new top-level ``sections`` (e.g. a task's ``loss``), updated by
+    the nested dicts ``base`` then ``presets[preset]``, locked; the shared ``get_config`` of every
+    config file (``where`` names the file in the error)."""
     preset = preset or default
     if preset not in presets:
         raise ValueError(f"{where}: unknown preset {preset!r}; choose one of {sorted(presets)}")
     c = base_config()
+    for name, fields in (sections or {}).items():
+        c[name] = ml_collections.ConfigDict(fields)
     c.update_from_flattened_dict(_flatten(base or {}))
     c.update_from_flattened_dict(_flatten(presets[preset]))
     c.preset = preset

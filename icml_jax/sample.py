@@ -15,7 +15,6 @@ import json
 import os
 import sys
 
-import flax.linen as nn
 import jax
 import ml_collections
 from absl import app, flags, logging
@@ -38,42 +37,11 @@ class SampleError(RuntimeError):
 
 def latest_params(workdir: str, model_cfg: ml_collections.ConfigDict):
     """Params of the newest readable checkpoint step in WORKDIR/checkpoints -> (params, step)."""
-    import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-
-    from icml_jax.models.decoder import build_model  # pylint: disable=g-import-not-at-top
-
-    directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
-    if not os.path.isdir(directory):
-        raise SampleError(f"{workdir}: no checkpoints/ folder; train first with "
-                          f"`python -m icml_jax.main --config=configs/lm.py:tiny --workdir={workdir}`")
-    manager = ocp.CheckpointManager(
-        directory, options=ocp.CheckpointManagerOptions(read_only=True, create=False),
-        item_handlers={"state": ocp.PyTreeCheckpointHandler()})
-    steps = sorted(manager.all_steps())
-    if not steps:
-        raise SampleError(f"{directory} holds no finished checkpoint step; train longer (steps >= "
-                          "config.train.checkpoint_every, or to the end of the run)")
-    tokens = jax.numpy.zeros((1, 8), jax.numpy.int32)
-    abstract = nn.meta.unbox(jax.eval_shape(
-        lambda: build_model(model_cfg).init(jax.random.key(0), tokens))["params"])
-    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
-                            abstract)
-    errors = []
-    for step in reversed(steps):
-        try:
-            target = {"params": abstract}
-            restored = manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.PyTreeRestore(target, partial_restore=True,
-                                             restore_args=ocp.checkpoint_utils.construct_restore_args(
-                                                 target))))
-            return restored["state"]["params"], step
-        except Exception as e:  # noqa: BLE001 - any read/parse failure: try the previous step
-            errors.append(f"step {step}: {type(e).__name__}: {str(e)[:300]}")
-            print(f"WARNING: checkpoint {directory}/{step} could not be restored "
-                  f"({type(e).__name__}: {str(e)[:300]}); trying the previous step", file=sys.stderr)
-    raise SampleError(f"none of the checkpoints {steps} in {directory} could be restored:\n  "
-                      + "\n  ".join(errors))
+    from icml_jax.train.checkpoint import CheckpointError, restore_model_params  # pylint: disable=g-import-not-at-top
+    try:
+        return restore_model_params(workdir, model_cfg)
+    except CheckpointError as e:
+        raise SampleError(str(e)) from e
 
 
 def load_workdir(workdir: str):

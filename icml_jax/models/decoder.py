@@ -35,9 +35,12 @@ class Decoder(nn.Module):
     decode: bool = False
 
     @nn.compact
-    def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None, last_only: bool = False):
+    def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None, last_only: bool = False,
+                 features: bool = False):
         """Logits [B, T, V] float32; ``last_only`` unembeds only the last slot ([B, 1, V]), which
-        is what a prefill needs."""
+        is what a prefill needs. ``features`` returns what the unembedding reads instead: the
+        final-normed hidden state [B, T, F] (F = D for the standard stream; heads on top of
+        the decoder, e.g. a reward model's scalar score, use it)."""
         c = self.cfg
         B, T = tokens_BT.shape
         if T > c.max_seq_len:
@@ -60,7 +63,7 @@ class Decoder(nn.Module):
                 h, _ = block(c, self.decode, name=f"layer_{i}")(h, positions_BT, segment_ids_BT)
         if last_only:
             h = jax.tree.map(lambda x: x[:, -1:], h)
-        return io.unembed(h)
+        return io.features(h) if features else io.unembed(h)
 
 
 def build_model(model_cfg: ml_collections.ConfigDict, decode: bool = False) -> Decoder:

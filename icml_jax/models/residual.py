@@ -53,9 +53,13 @@ class StandardIO(nn.Module):
         h_BTD = jnp.take(self.embedding, tokens_BT, axis=0).astype(get_dtype(self.cfg.dtype))
         return constrain(h_BTD, ("batch", "length", "act_embed"))
 
+    def features(self, h_BTD):
+        """The final-normed hidden state [B, T, D] that the output projection reads."""
+        return self.final_norm(h_BTD)
+
     def unembed(self, h_BTD):
         """Final norm + output projection; logits in float32 [B, T, V]."""
-        x = self.final_norm(h_BTD)
+        x = self.features(h_BTD)
         w_DV = self.embedding.T if self.cfg.tie_embeddings else self.lm_head
         logits = jnp.einsum("BTD,DV->BTV", x, w_DV.astype(x.dtype))
         return constrain(logits.astype(jnp.float32), ("batch", "length", "act_vocab"))

@@ -249,6 +249,11 @@ class RMTIO(nn.Module):
         x_BTEK = constrain(store(e_BTRE, self.embed_store), X_AXES)
         return RMTState(x_BTEK, jnp.zeros((B, 1), jnp.int32))
 
+    def features(self, h: RMTState):
+        """The R unembedding retrievals of the normed residual, flattened: [B, T, R*Dv]."""
+        u_BTRE = retrieve(self.final_norm(h.x), self.unembed_retrieve)
+        return u_BTRE.reshape(u_BTRE.shape[:2] + (-1,))
+
     def unembed(self, h: RMTState):
         """Final norm -> R retrievals -> logits float32 [B, T, V]."""
         u_BTRE = retrieve(self.final_norm(h.x), self.unembed_retrieve)

@@ -4,3 +4,4 @@ from icml_jax.registry import Registry
 TASKS = Registry("task", "config.task")
 
 from icml_jax.tasks import lm  # noqa: E402,F401  (registers "lm")
+from icml_jax.tasks import preference, reward_model  # noqa: E402,F401  (register theirs)

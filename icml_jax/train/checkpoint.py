@@ -6,6 +6,7 @@ A step that fails to restore (corrupted files) is moved aside to ``corrupt_<step
 deleted) and the previous step is tried, with a warning.
 """
 import os
+import sys
 import time
 
 import grain
@@ -71,3 +72,54 @@ class Checkpointer:
     def close(self):
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def restore_params(workdir: str, abstract_params):
+    """Only the params of the newest readable step of a training workdir -> (params, step).
+
+    ``abstract_params`` is a pytree of ``jax.ShapeDtypeStruct`` with shardings (the layout to
+    restore into: any mesh or device count, whatever the run that wrote it used). The rest of the
+    saved train state (optimizer, rng, data iterator) is not read. An unreadable step is skipped
+    with a warning; nothing is moved or deleted (the workdir may belong to a live run)."""
+    directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"{workdir}: no checkpoints/ folder; train there first (e.g. "
+                              f"`python -m icml_jax.main --config=configs/lm.py:tiny --workdir={workdir}`)")
+    manager = ocp.CheckpointManager(
+        directory, options=ocp.CheckpointManagerOptions(read_only=True, create=False),
+        item_handlers={"state": ocp.PyTreeCheckpointHandler()})
+    steps = sorted(manager.all_steps())
+    if not steps:
+        raise CheckpointError(f"{directory} holds no finished checkpoint step; train longer (steps >= "
+                              "config.train.checkpoint_every, or to the end of the run)")
+    target = {"params": abstract_params}
+    errors = []
+    for step in reversed(steps):
+        try:
+            restored = manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(
+                    target, partial_restore=True,
+                    restore_args=ocp.checkpoint_utils.construct_restore_args(target))))
+            return restored["state"]["params"], step
+        except Exception as e:  # noqa: BLE001 - any read/parse failure: try the previous step
+            errors.append(f"step {step}: {type(e).__name__}: {str(e)[:300]}")
+            print(f"WARNING: checkpoint {directory}/{step} could not be restored "
+                  f"({type(e).__name__}: {str(e)[:300]}); trying the previous step", file=sys.stderr)
+    raise CheckpointError(f"none of the checkpoints {steps} in {directory} could be restored:\n  "
+                          + "\n  ".join(errors))
+
+
+def restore_model_params(workdir: str, model_cfg):
+    """``restore_params`` for a decoder of ``model_cfg`` (e.g. an SFT or DPO policy) onto this
+    process's first device -> (params, step)."""
+    import flax.linen as nn  # pylint: disable=g-import-not-at-top
+
+    from icml_jax.models.decoder import build_model  # pylint: disable=g-import-not-at-top
+
+    tokens = jax.numpy.zeros((1, 8), jax.numpy.int32)
+    abstract = nn.meta.unbox(jax.eval_shape(
+        lambda: build_model(model_cfg).init(jax.random.key(0), tokens))["params"])
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
+                            abstract)
+    return restore_params(workdir, abstract)

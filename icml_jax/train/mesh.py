@@ -42,5 +42,6 @@ def logical_rules(mesh_cfg: ml_collections.ConfigDict) -> tuple:
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Rows of a batch split over data and fsdp; the length axis is replicated."""
-    return NamedSharding(mesh, P(("data", "fsdp"), None))
+    """Rows of a batch split over data and fsdp; every other axis (length, pair, ...) is
+    replicated, so one sharding serves batch leaves of any rank."""
+    return NamedSharding(mesh, P(("data", "fsdp")))

@@ -113,7 +113,7 @@ def make_eval_step(task):
     return eval_fn
 
 
-def evaluate(eval_step, params, batches, to_global) -> dict:
+def evaluate(eval_step, params, batches, to_global, perplexity: bool = True) -> dict:
     totals = None
     for b in batches:
         out = jax.device_get(eval_step(params, to_global(b)))
@@ -123,7 +123,9 @@ def evaluate(eval_step, params, batches, to_global) -> dict:
                          "(check config.data.*)")
     n = max(float(totals["tokens"]), 1.0)
     loss = float(totals["nll"]) / n
-    out = {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 80.0)), "eval_tokens": n}
+    out = {"eval_loss": loss, "eval_tokens": n}
+    if perplexity:
+        out["eval_perplexity"] = math.exp(min(loss, 80.0))
     out.update({f"eval_{k}": float(v) / n for k, v in totals.items() if k not in ("nll", "tokens")})
     return out
 
@@ -174,11 +176,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state,
                             state_shardings)
     restored, start = ckpt.restore_latest(abstract, data_iter)
+    log = (lambda *a: print(*a, flush=True)) if is_main else (lambda *a: None)
     if restored is not None:
         state = restored
-        if is_main:
-            print(f"Resumed from {ckpt.directory}/{start}")
-    log = (lambda *a: print(*a, flush=True)) if is_main else (lambda *a: None)
+        log(f"Resumed from {ckpt.directory}/{start}")
+    elif t.get("init_from", ""):
+        state = state.replace(params=_init_from(task, t.init_from, state.params,
+                                                state_shardings.params))
+        log(f"Initialised the params from {t.init_from}")
     log(f"Model: {n_params:,} params | mesh data={shape[0]} fsdp={shape[1]} tensor={shape[2]} "
         f"| {jax.device_count()} {jax.devices()[0].platform} device(s) | workdir {os.path.abspath(workdir)}")
 
@@ -194,7 +199,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         eval_step = jax.jit(make_eval_step(task), in_shardings=(state_shardings.params, batch_sharding))
     eval_batches = task.eval_batches("validation")
     writer = MetricsWriter(workdir, start, enabled=is_main)
+    # A task whose loss is a mean over examples (pairs) says how many tokens one example trains
+    # on; the LM's loss unit is the token itself.
+    unit = getattr(task, "loss_unit", "tokens")
+    tokens_per_unit = getattr(task, "tokens_per_unit", 1)
     flops_per_token = train_flops_per_token(config.model, config.data.seq_len)
+    perplexity = getattr(task, "reports_perplexity", True)
     pending, window_start = [], time.time()
     bar = tqdm(total=t.steps, initial=start, disable=not (is_main and t.progress), unit="step",
                dynamic_ncols=True)
@@ -206,7 +216,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         nonlocal pending, window_start
         rows = jax.device_get([m for _, m in pending])
         elapsed = max(time.time() - window_start, 1e-9)
-        tokens = sum(float(r["tokens"]) for r in rows)
+        tokens = sum(float(r["tokens"]) for r in rows) * tokens_per_unit
         tok_s = tokens / elapsed
         for (s, _), r in zip(pending, rows):
             if not np.isfinite(r["loss"]):
@@ -218,6 +228,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             line = {k: float(v) for k, v in r.items()}
             line.update(tokens_per_sec=tok_s,
                         model_tflops_per_sec=tok_s * flops_per_token / 1e12)
+            if unit != "tokens":
+                line[f"{unit}_per_sec"] = tok_s / tokens_per_unit
             writer.write(s, line)
         if rows:
             bar.set_postfix(loss=f"{float(rows[-1]['loss']):.3f}", tok_s=f"{tok_s:,.0f}")
@@ -236,11 +248,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             if s % t.log_every == 0 or do_eval or do_ckpt:
                 flush()
             if do_eval:
-                ev = evaluate(eval_step, state.params, eval_batches, to_global)
+                ev = evaluate(eval_step, state.params, eval_batches, to_global, perplexity)
                 writer.write(s, ev)
                 summary.update(ev)
-                bar.write(f"step {s}: eval_loss={ev['eval_loss']:.4f} "
-                          f"perplexity={ev['eval_perplexity']:.2f}") if is_main else None
+                bar.write(f"step {s}: eval_loss={ev['eval_loss']:.4f}" + (
+                    f" perplexity={ev['eval_perplexity']:.2f}" if perplexity else "")) if is_main else None
             if do_ckpt:
                 ckpt.save(s, state, data_iter, _config_dict(config))
                 last_good = s
@@ -251,17 +263,32 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         writer.close()
 
     if start >= t.steps and restored is not None:  # already finished: report the eval again
-        summary.update(evaluate(eval_step, state.params, eval_batches, to_global))
+        summary.update(evaluate(eval_step, state.params, eval_batches, to_global, perplexity))
     summary["step"] = int(jax.device_get(state.step))
     if is_main:
         plot_loss_curve(writer.path, os.path.join(workdir, "loss_curve.png"))
-        if t.samples > 0:
+        if t.samples > 0 and getattr(task, "can_sample", True):
             summary["samples"] = _print_samples(task, state.params, config, log)
         with open(os.path.join(workdir, "summary.json.tmp"), "w") as f:
             json.dump({k: v for k, v in summary.items()}, f, indent=2)
         os.replace(os.path.join(workdir, "summary.json.tmp"), os.path.join(workdir, "summary.json"))
     summary["state"] = state
     return summary
+
+
+def _init_from(task, workdir: str, params, shardings):
+    """The params of ``workdir``'s newest checkpoint (a run of the same model, e.g. the SFT policy)
+    restored straight into this run's shardings; a task whose params hold the decoder under a
+    key (``task.pretrained_key``, e.g. a reward model's ``backbone``) gets them there."""
+    key = getattr(task, "pretrained_key", None)
+    sub, sub_shard = (params, shardings) if key is None else (params[key], shardings[key])
+    abstract = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                            sub, sub_shard)
+    try:
+        loaded, _ = ckpt_lib.restore_params(workdir, abstract)
+    except ckpt_lib.CheckpointError as e:
+        raise ckpt_lib.CheckpointError(f"config.train.init_from={workdir!r}: {e}") from e
+    return loaded if key is None else {**params, key: loaded}
 
 
 def _print_samples(task, params, config, log):

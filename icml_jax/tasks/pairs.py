@@ -1,0 +1,95 @@
+"""What the pairwise tasks (``reward_model``, ``preference``) share: pair data and batch shapes.
+
+Batches follow ``icml_jax/data/preference.py``: ``tokens``, ``segment_ids``, ``positions``,
+``response_mask`` int32 [B, 2, T] (index 0 chosen, 1 rejected), ``lengths`` int32 [B, 2],
+``weight`` float32 [B] (0 for eval padding rows), plus whatever per-token arrays a task caches
+beside them (float32 [B, 2, T]). A task's loss is a mean over pairs, so its loss sum is
+mean * sum(weight) and its count is sum(weight): the trainer's token-weighted mean then averages
+the (micro-)batches' means, as a PyTorch trainer does with gradient accumulation.
+"""
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from icml_jax import data as data_lib
+from icml_jax.data import preference as pref_data
+from icml_jax.train import mesh as mesh_lib
+
+
+def flat(x):
+    """[B, 2, ...] -> [2B, ...] (chosen and rejected rows interleaved)."""
+    return x.reshape((-1,) + x.shape[2:])
+
+
+def as_sums(loss, metrics, w_B):
+    """(mean loss, mean metrics) -> the trainer's (loss sum, count, metric sums)."""
+    n = jnp.sum(w_B)
+    return loss * n, n, {k: v * n for k, v in metrics.items()}
+
+
+class PairTask:
+    """Reads ``config.data.path`` (training pairs) and ``config.data.eval_path`` (validation
+    pairs; "" = the first ``eval_batches * batch_size`` training pairs) once, tokenised."""
+
+    loss_unit = "pairs"
+    reports_perplexity = False
+
+    def __init__(self, config: ml_collections.ConfigDict):
+        self.config = config
+        d, t = config.data, config.train
+        self.tokenizer = data_lib.build_tokenizer(d.tokenizer)
+        if self.tokenizer.vocab_size > config.model.vocab_size:
+            raise ValueError(
+                f"config.model.vocab_size={config.model.vocab_size} is smaller than the tokenizer's "
+                f"vocabulary ({self.tokenizer.vocab_size}); raise config.model.vocab_size")
+        if d.name != "preference_jsonl" or not d.path:
+            raise ValueError(
+                f"config.task={config.task!r} trains on preference pairs: set "
+                f"config.data.name='preference_jsonl' (got {d.name!r}) and config.data.path to a "
+                "TRL-format JSONL file (prompt/chosen/rejected per line)")
+        self.tokens_per_unit = 2 * d.seq_len
+        shape = mesh_lib.mesh_shape(config.mesh, jax.device_count())
+        self.num_shards = shape[0] * shape[1]  # devices holding distinct batch rows
+        enc = dict(max_prompt_len=d.max_prompt_len, add_eos=d.add_eos)
+        self.train_arrays, stats = pref_data.encode_pairs(
+            pref_data.read_preference_jsonl(d.path), self.tokenizer, d.seq_len, **enc)
+        if d.eval_path:
+            self.eval_arrays, _ = pref_data.encode_pairs(
+                pref_data.read_preference_jsonl(d.eval_path), self.tokenizer, d.seq_len, **enc)
+        else:
+            k = t.eval_batches * t.batch_size
+            self.eval_arrays = {key: v[:k] for key, v in self.train_arrays.items()}
+        if jax.process_index() == 0 and (stats["truncated_prompt"] or stats["truncated_response"]):
+            print(f"{d.path}: {stats['n']} pairs, {stats['truncated_prompt']} with a truncated "
+                  f"prompt and {stats['truncated_response']} with a truncated response at "
+                  f"config.data.seq_len={d.seq_len}")
+
+    def dummy_batch(self, batch_size: int, seq_len: int):
+        z = jnp.zeros((batch_size, 2, seq_len), jnp.int32)
+        return dict(tokens=z, segment_ids=z + 1, positions=z, response_mask=z,
+                    lengths=jnp.ones((batch_size, 2), jnp.int32),
+                    weight=jnp.ones((batch_size,), jnp.float32), **self.cached_dummies(z))
+
+    def cached_dummies(self, z):
+        """Zero stand-ins for the per-token arrays the task caches into its batches."""
+        return {}
+
+    def train_iterator(self, seed: int):
+        return pref_data.pair_train_iterator(self.train_arrays, self.config.train.batch_size, seed)
+
+    def eval_batches(self, split: str = "validation"):
+        t = self.config.train
+        return pref_data.eval_batches(self.eval_arrays, t.batch_size, max_batches=t.eval_batches)
+
+
+def batched_apply(fn, arrays: dict, batch_size: int) -> np.ndarray:
+    """``fn(batch) -> [b, ...]`` over the rows of ``arrays`` in fixed-size chunks (the last one
+    padded with row 0, so ``fn`` compiles once); the results concatenated, float32 numpy."""
+    n = len(next(iter(arrays.values())))
+    out = []
+    for s in range(0, n, batch_size):
+        idx = np.arange(s, s + batch_size)
+        idx[idx >= n] = 0
+        out.append(np.asarray(jax.device_get(fn({k: v[idx] for k, v in arrays.items()}))))
+    return np.concatenate(out)[:n].astype(np.float32)

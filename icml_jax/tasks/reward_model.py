@@ -1,0 +1,85 @@
+"""``reward_model``: a Bradley-Terry reward model (+ BSR, specs/bsr.md) trained on preference pairs.
+
+The model is ``icml_jax.models.reward.RewardModel`` (the decoder plus a scalar ``score`` head read
+at the last real token of each sequence); the loss is ``icml_jax.losses.reward_loss`` with the
+``config.loss`` keys below. BSR's per-device mean is taken over the rows each data shard holds
+(``num_shards`` = mesh data * fsdp; with gradient accumulation each micro-batch has its own
+penalty), as the reference computes it under one-process-per-GPU training.
+
+Logged (means over pairs): ``accuracy``, ``margin``, ``rewards/{chosen,rejected,mean,std}``,
+``loss/{pair,center,bsr}``, the final hidden-state norm at the scoring token
+``hidden_norm/{mean,std}`` (its dispersion is what the BSR paper blames for over-optimisation)
+and the score-head norm ``score_norm``. Batch statistics (std) are per (micro-)batch, averaged.
+
+config.loss: variant (bt | hinge | normalized | eurus), margin, center_coef, bsr_lambda,
+bsr_scale_by_batch, bsr_reduce (local | global).
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from icml_jax.losses import reward_loss
+from icml_jax.models.reward import build_reward_model
+from icml_jax.tasks import TASKS
+from icml_jax.tasks.pairs import PairTask, as_sums, batched_apply, flat
+
+
+@TASKS.register("reward_model")
+class RewardModelTask(PairTask):
+    pretrained_key = "backbone"  # config.train.init_from (an LM workdir) loads the decoder here
+    can_sample = False
+
+    def __init__(self, config: ml_collections.ConfigDict):
+        super().__init__(config)
+        self.model = build_reward_model(config.model)
+        L = config.loss
+        # fail on a bad loss setting now, not at the first traced step
+        reward_loss(jnp.zeros(self.num_shards), jnp.zeros(self.num_shards), variant=L.variant,
+                    bsr_lambda=L.bsr_lambda, bsr_reduce=L.bsr_reduce, num_shards=self.num_shards)
+
+    def init_params(self, rng, batch):
+        b = flat(batch["tokens"])
+        return self.model.init(rng, b, flat(batch["positions"]), flat(batch["segment_ids"]),
+                               flat(batch["lengths"]) - 1)["params"]
+
+    def apply(self, params, tokens_NT, positions_NT, segment_ids_NT, lengths_N):
+        """(rewards [N], final hidden states at the scoring token [N, F]) of single sequences."""
+        return self.model.apply({"params": params}, tokens_NT, positions_NT, segment_ids_NT,
+                                jnp.maximum(lengths_N - 1, 0))
+
+    def loss(self, params, batch):
+        L, t = self.config.loss, self.config.train
+        B = batch["tokens"].shape[0]
+        r, h = self.apply(params, flat(batch["tokens"]), flat(batch["positions"]),
+                          flat(batch["segment_ids"]), flat(batch["lengths"]))
+        r_B2 = r.reshape(B, 2)
+        w = batch["weight"]
+        loss, m = reward_loss(r_B2[:, 0], r_B2[:, 1], variant=L.variant, margin=L.margin,
+                              center_coef=L.center_coef, bsr_lambda=L.bsr_lambda,
+                              bsr_scale_by_batch=L.bsr_scale_by_batch, bsr_reduce=L.bsr_reduce,
+                              num_shards=self.num_shards,
+                              per_device_batch=t.batch_size // (self.num_shards * t.grad_accum),
+                              weights_B=w)
+        hn = jnp.linalg.norm(h, axis=-1)
+        w2 = jnp.repeat(w, 2)
+        mean = jnp.sum(hn * w2) / jnp.maximum(w2.sum(), 1.0)
+        m["hidden_norm/mean"] = mean
+        m["hidden_norm/std"] = jnp.sqrt(jnp.sum(jnp.square(hn - mean) * w2) / jnp.maximum(w2.sum(), 1.0))
+        m["score_norm"] = jnp.linalg.norm(params["score"].astype(jnp.float32))
+        return as_sums(loss, m, w)
+
+    def score(self, params, arrays: dict, batch_size: int = 64):
+        """Rewards and hidden-state norms of single sequences (``encode_responses`` arrays):
+        (rewards [N], hidden norms [N]) as float32 numpy."""
+        keys = ("tokens", "positions", "segment_ids", "lengths")
+        out = batched_apply(lambda b: self._score(params, b), {k: arrays[k] for k in keys},
+                            batch_size)
+        return out[:, 0], out[:, 1]
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def _score(self, params, b):
+        r, h = self.apply(params, b["tokens"], b["positions"], b["segment_ids"], b["lengths"])
+        return jnp.stack([r, jnp.linalg.norm(h, axis=-1)], -1)
+

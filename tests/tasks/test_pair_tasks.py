@@ -1,0 +1,184 @@
+"""The reward_model and preference tasks end to end on a tiny SFT policy and synthetic pairs."""
+import functools
+import os
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from icml_jax.config_utils import load_config
+from icml_jax.data.preference import write_preference_jsonl
+from icml_jax.losses import bsr_penalty, response_token_logps
+from icml_jax.tasks import TASKS
+from icml_jax.train.checkpoint import restore_model_params
+from icml_jax.train.trainer import train_and_evaluate
+
+
+def _pairs(n, seed):
+    """An easy, learnable preference: responses praising vs cursing, after Shakespeare-ish prompts."""
+    rng = np.random.default_rng(seed)
+    names = ["ROMEO", "JULIET", "HAMLET", "LEAR", "PUCK", "IAGO"]
+    good = [" sweet love and joy", " good and gentle", " fair and kind", " joy, joy"]
+    bad = [" vile hate and woe", " cursed and foul", " death and grief", " woe, woe"]
+    return [{"prompt": f"{names[rng.integers(6)]}. Say", "chosen": good[rng.integers(4)],
+             "rejected": bad[rng.integers(4)]} for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pairs")
+    train, val = str(root / "train.jsonl"), str(root / "val.jsonl")
+    write_preference_jsonl(train, _pairs(64, 0))
+    write_preference_jsonl(val, _pairs(16, 1))
+    sft = str(root / "sft")
+    c = load_config("configs/lm.py:tiny", unlocked=True)
+    c.train.steps, c.train.samples, c.train.eval_every, c.train.checkpoint_every = 10, 0, 10, 10
+    train_and_evaluate(c, sft)
+    return dict(root=root, train=train, val=val, sft=sft)
+
+
+def _config(name, s, **loss):
+    c = load_config(f"configs/{name}.py:tiny", unlocked=True)
+    c.data.path, c.data.eval_path, c.train.init_from = s["train"], s["val"], s["sft"]
+    for k, v in loss.items():
+        c.loss[k] = v
+    return c
+
+
+def _batch(task, n=8):
+    it = task.train_iterator(seed=0)
+    return jax.tree.map(jnp.asarray, next(it))
+
+
+def _sgd_moves_and_learns(task, steps=12, lr=3e-3):
+    params, _ = restore_model_params(task.config.train.init_from, task.config.model)
+    b = _batch(task)
+    tx = optax.adam(lr)
+    opt = tx.init(params)
+
+    @jax.jit
+    def step(p, o):
+        (ls, n), g = jax.value_and_grad(lambda q: task.loss(q, b)[:2], has_aux=True)(p)
+        u, o = tx.update(g, o, p)
+        return optax.apply_updates(p, u), o, ls / n
+
+    p, losses = params, []
+    for _ in range(steps):
+        p, opt, loss = step(p, opt)
+        losses.append(float(loss))
+    moved = max(float(jnp.max(jnp.abs(a - b_))) for a, b_ in
+                zip(jax.tree.leaves(p), jax.tree.leaves(params)))
+    return losses, moved
+
+
+def test_reward_model_trains_and_initialises_from_sft(setup, tmp_path):
+    c = _config("reward_model", setup)
+    c.train.steps, c.train.lr = 30, 1e-2
+    out = train_and_evaluate(c, str(tmp_path / "rm"))
+    assert out["eval_accuracy"] > 0.9, out  # the easy preference is learnt
+    assert "eval_perplexity" not in out and "eval_hidden_norm/std" in out
+    # init_from put the SFT decoder into the backbone: step-0 backbone == SFT params
+    task = TASKS.get("reward_model")(c)
+    sft, _ = restore_model_params(setup["sft"], c.model)
+    from icml_jax.train.trainer import _init_from, create_sharded_state
+    from icml_jax.train import mesh as mesh_lib
+    from icml_jax.train.optimizer import make_optimizer
+    tx = make_optimizer(c.train)
+    mesh = mesh_lib.make_mesh(c.mesh)
+    state, shard = create_sharded_state(task, tx, c, mesh, mesh_lib.logical_rules(c.mesh))
+    params = _init_from(task, setup["sft"], state.params, shard.params)
+    jax.tree.map(np.testing.assert_array_equal, params["backbone"], sft)
+    assert params["score"].shape == (c.model.d_model, 1)
+
+
+def test_reward_model_bsr_is_per_shard(setup):
+    c = _config("reward_model", setup, bsr_lambda=0.05)
+    task = TASKS.get("reward_model")(c)
+    b = _batch(task)
+    params = nn.meta.unbox(task.init_params(jax.random.key(0), b))
+    task.num_shards = 2  # as if the 8 rows sat on 2 data shards
+    lsum, n, m = task.loss(params, b)
+    r, _ = task.apply(params, b["tokens"].reshape(16, -1), b["positions"].reshape(16, -1),
+                      b["segment_ids"].reshape(16, -1), b["lengths"].reshape(16))
+    r = r.reshape(8, 2)
+    want = bsr_penalty(r[:, 0], r[:, 1], bsr_lambda=0.05, num_shards=2, per_device_batch=4)
+    np.testing.assert_allclose(m["loss/bsr"] / n, want, rtol=1e-5)
+    glob = bsr_penalty(r[:, 0], r[:, 1], bsr_lambda=0.05, reduce="global", per_device_batch=4)
+    assert abs(float(want) - float(glob)) > 1e-9  # the two shards' means differ
+
+
+def test_cached_reference_logps_equal_recomputed(setup):
+    task = TASKS.get("preference")(_config("dpo", setup))
+    ref, _ = restore_model_params(setup["sft"], task.config.model)
+    for arrays in (task.train_arrays, task.eval_arrays):
+        t = arrays["tokens"].reshape(-1, arrays["tokens"].shape[-1])
+        f = lambda k: arrays[k].reshape(t.shape)  # noqa: E731
+        logits = task.model.apply({"params": ref}, t, f("positions"), f("segment_ids"))
+        want = response_token_logps(logits, t, f("response_mask"))
+        np.testing.assert_allclose(arrays["ref_logps"].reshape(t.shape), want, rtol=1e-5, atol=1e-6)
+        assert np.all(arrays["ref_logps"][arrays["response_mask"] == 0] == 0)
+        assert np.any(arrays["ref_logps"] < 0)
+    b = _batch(task)
+    assert b["ref_logps"].shape == b["tokens"].shape
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "robust", "hinge", "ipo"])
+def test_each_dpo_loss_type_trains_the_policy(setup, loss_type):
+    extra = {"label_smoothing": 0.1} if loss_type == "robust" else {}
+    task = TASKS.get("preference")(_config("dpo", setup, type=loss_type, **extra))
+    losses, moved = _sgd_moves_and_learns(task)
+    assert moved > 1e-4
+    assert losses[-1] < losses[0] - 1e-3, losses
+
+
+def test_gradients_reach_only_the_policy(setup):
+    task = TASKS.get("preference")(_config("dpo", setup))
+    params, _ = restore_model_params(setup["sft"], task.config.model)
+    b = _batch(task)
+    g_ref = jax.grad(lambda r: task.loss(params, {**b, "ref_logps": r})[0])(b["ref_logps"])
+    assert np.all(np.asarray(g_ref) == 0)
+    g = jax.grad(lambda p: task.loss(p, b)[0])(params)
+    assert max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(g)) > 0
+
+
+def test_dpo_then_tgdpo_end_to_end(setup, tmp_path):
+    dpo_dir = str(tmp_path / "dpo")
+    c = _config("dpo", setup)
+    c.train.steps = 10
+    out = train_and_evaluate(c, dpo_dir)
+    assert np.isfinite(out["eval_loss"]) and "eval_rewards/accuracies" in out
+    # TGDPO guided by that DPO policy; alpha = 0 gives DPO's loss on the same batch
+    tg = TASKS.get("preference")(_config("dpo", setup, type="tgdpo", guidance=dpo_dir))
+    dpo = TASKS.get("preference")(_config("dpo", setup))
+    params, _ = restore_model_params(setup["sft"], c.model)
+    b = _batch(tg)
+    assert np.any(np.asarray(b["guide_logps"]) != np.asarray(b["ref_logps"]))
+    tg.config.loss.tgdpo_alpha = 0.0
+    l0 = tg.loss(params, b)[0]
+    ld = dpo.loss(params, {k: v for k, v in b.items() if k != "guide_logps"})[0]
+    np.testing.assert_allclose(l0, ld, rtol=1e-6)
+    tg.config.loss.tgdpo_alpha = 0.5
+    losses, moved = _sgd_moves_and_learns(tg)
+    assert moved > 1e-4 and losses[-1] < losses[0]
+
+
+def test_errors(setup):
+    with pytest.raises(ValueError, match="needs a frozen reference"):
+        c = _config("dpo", setup)
+        c.train.init_from = ""
+        TASKS.get("preference")(c)
+    with pytest.raises(ValueError, match="config.loss.guidance"):
+        TASKS.get("preference")(_config("dpo", setup, type="tgdpo"))
+    with pytest.raises(ValueError, match="unknown config.loss.type"):
+        TASKS.get("preference")(_config("dpo", setup, type="kto"))
+    with pytest.raises(ValueError, match="config.loss.reference=.*no checkpoints"):
+        TASKS.get("preference")(_config("dpo", setup, reference=str(setup["root"])))
+    c = _config("reward_model", setup)
+    c.data.name = "shakespeare"
+    with pytest.raises(ValueError, match="preference_jsonl"):
+        TASKS.get("reward_model")(c)
+    with pytest.raises(ValueError, match="config.loss.variant"):
+        TASKS.get("reward_model")(_config("reward_model", setup, variant="bogus"))
