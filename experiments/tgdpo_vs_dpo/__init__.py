@@ -1,0 +1,6 @@
+"""TGDPO vs DPO on the shared sentiment testbed (specs/tgdpo.md §6).
+
+  python -m experiments.tgdpo_vs_dpo --workdir=DIR [--preset=tiny|default] [--testbed=TESTBED_DIR]
+
+See ``__main__.py`` for what it runs and writes.
+"""

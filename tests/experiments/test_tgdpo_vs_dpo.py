@@ -1,0 +1,92 @@
+"""experiments/tgdpo_vs_dpo at its tiny preset: runs end to end, writes well-formed outputs, and a
+rerun recomputes nothing."""
+import csv
+import json
+import math
+import os
+import time
+
+import numpy as np
+import pytest
+
+from experiments.tgdpo_vs_dpo.__main__ import CSV_FIELDS, PRESETS, main, per_prompt_win, win_rate
+
+
+def test_win_rate_counts_ties_as_half():
+    assert win_rate([1.0, 0.0], [0.0]) == pytest.approx(0.75)
+    assert win_rate([0.0], [0.0, 0.5]) == pytest.approx(0.25)
+    assert per_prompt_win([[1.0], [-1.0]], [[0.0], [0.0]]) == [1.0, 0.0]
+
+
+def test_tgdpo_vs_dpo_tiny_outputs_and_rerun(tmp_path, monkeypatch):
+    monkeypatch.setenv("TFDS_DATA_DIR", str(tmp_path / "tfds"))
+    wd = str(tmp_path / "exp")
+    exp = PRESETS["tiny"]
+    main([f"--workdir={wd}", "--preset=tiny"])
+
+    cfg = json.load(open(os.path.join(wd, "config.json")))
+    runs = cfg["runs"]
+    assert runs["guidance"]["config"]["loss"]["type"] == "sigmoid"
+    assert runs["dpo_s0"]["config"]["loss"]["type"] == "sigmoid"
+    tg = runs["tgdpo_a0.5_s0"]["config"]
+    assert tg["loss"]["type"] == "tgdpo" and tg["loss"]["tgdpo_alpha"] == 0.5
+    assert tg["loss"]["guidance"] == os.path.join(wd, "guidance")
+    # same SFT start, data and schedule for both arms; the policy is the SFT's model
+    d = runs["dpo_s0"]["config"]
+    for k in ("init_from", "steps", "lr", "batch_size"):
+        assert d["train"][k] == tg["train"][k], k
+    assert d["data"]["path"] == tg["data"]["path"] and d["seed"] == tg["seed"] == 0
+    assert runs["guidance"]["seed"] == exp["guidance_seed"]
+    sft_cfg = json.load(open(os.path.join(wd, "testbed", "sft", "config.json")))
+    assert d["model"] == sft_cfg["model"]
+    assert cfg["pairs"]["n_train"] >= 1
+    assert cfg["pairs"]["n_train"] + cfg["pairs"]["n_tied_train"] == cfg["pairs"]["n_train_groups"]
+    with open(os.path.join(wd, "pairs_train.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    assert len(rows) == cfg["pairs"]["n_train"]
+    assert all(r["score_chosen"] > r["score_rejected"] for r in rows)
+
+    rows = list(csv.DictReader(open(os.path.join(wd, "results.csv"))))
+    assert rows and list(rows[0]) == list(CSV_FIELDS)
+    by = {r["run"]: r for r in rows}
+    assert set(by) == {"sft", "guidance", "dpo_s0", "tgdpo_a0.5_s0"}
+    assert by["dpo_s0"]["arm"] == "DPO" and by["tgdpo_a0.5_s0"]["arm"] == "TGDPO α=0.5"
+    for name, r in by.items():
+        for k in ("win_vs_sft", "mean_gold", "kl"):
+            assert math.isfinite(float(r[k])), (name, k)
+        assert 0.0 <= float(r["win_vs_sft"]) <= 1.0
+        assert -1.0 <= float(r["mean_gold"]) <= 1.0
+    assert float(by["sft"]["kl"]) == pytest.approx(0.0, abs=1e-4)  # the SFT policy is the reference
+    for name in ("dpo_s0", "tgdpo_a0.5_s0"):
+        assert int(by[name]["steps"]) == exp["train"]["train.steps"]
+        assert 0.0 <= float(by[name]["train_accuracy"]) <= 1.0
+        assert math.isfinite(float(by[name]["train_loss"]))
+        assert abs(float(by[name]["kl"])) > 1e-5  # training moved the policy off the reference
+    assert 0.0 <= float(by["tgdpo_a0.5_s0"]["h2h_vs_dpo"]) <= 1.0
+    assert by["dpo_s0"]["h2h_vs_dpo"] == ""
+    # eval samples: eval_samples per held-out prompt, the same sampling seed for every policy
+    res = json.load(open(os.path.join(wd, "dpo_s0", "result.json")))
+    assert all(len(g["responses"]) == exp["eval_samples"] for g in res["groups"])
+    assert len(res["groups"]) == exp["testbed"]["prompts"]["tgdpo_eval"]
+    assert [c["step"] for c in res["curve"]][-1] == exp["train"]["train.steps"]
+
+    md = open(os.path.join(wd, "results.md")).read()
+    assert "Command: `python -m experiments.tgdpo_vs_dpo" in md and "seeds [0]" in md
+    assert "| DPO | 1 |" in md and "| TGDPO α=0.5 | 1 |" in md and "## Reading" in md
+    assert "paper's direction" in md and "Monte-Carlo" in md
+    for name in ("win_rate_vs_kl.png", "training_curves.png"):
+        with open(os.path.join(wd, name), "rb") as f:
+            head = f.read()
+        assert head[:8] == b"\x89PNG\r\n\x1a\n" and len(head) > 1000, name
+
+    # a rerun with the same settings recomputes nothing: no run retrains or resamples
+    stamps = {n: os.path.getmtime(os.path.join(wd, n, "result.json"))
+              for n in ("guidance", "dpo_s0", "tgdpo_a0.5_s0")}
+    metrics = {n: os.path.getmtime(os.path.join(wd, n, "metrics.jsonl")) for n in stamps}
+    t0 = time.time()
+    results = main([f"--workdir={wd}", "--preset=tiny"])
+    assert time.time() - t0 < 30
+    assert {n: os.path.getmtime(os.path.join(wd, n, "result.json")) for n in stamps} == stamps
+    assert {n: os.path.getmtime(os.path.join(wd, n, "metrics.jsonl")) for n in stamps} == metrics
+    assert results["dpo_s0"]["kl"] == pytest.approx(float(by["dpo_s0"]["kl"]), abs=1e-4)
+    assert np.isfinite(results["tgdpo_a0.5_s0"]["win_vs_sft"])
