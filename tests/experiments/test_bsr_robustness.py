@@ -1,0 +1,96 @@
+"""experiments/bsr_robustness at its tiny preset: runs end to end, writes well-formed outputs, resumes."""
+import csv
+import json
+import math
+import os
+import time
+
+import numpy as np
+import pytest
+
+from experiments.bsr_robustness.__main__ import (NS, OOD_SPLITS, SPLITS, main, pair_accuracy,
+                                                 presets)
+
+
+def test_bsr_robustness_tiny_outputs_and_resume(tmp_path, monkeypatch):
+    monkeypatch.setenv("TFDS_DATA_DIR", str(tmp_path / "tfds"))
+    wd = str(tmp_path / "exp")
+    out = main([f"--workdir={wd}", "--preset=tiny"])
+    cfg = json.load(open(os.path.join(wd, "config.json")))
+    assert sorted(cfg["runs"]) == ["bsr_s0", "bt_s0"]
+    assert cfg["runs"]["bt_s0"]["loss"]["bsr_lambda"] == 0.0
+    assert cfg["runs"]["bsr_s0"]["loss"]["bsr_lambda"] == pytest.approx(1e-3)
+    assert cfg["runs"]["bsr_s0"]["loss"]["bsr_scale_by_batch"] is True
+    # same data, steps and optimiser for both arms: only the loss differs
+    strip = lambda c: {k: v for k, v in c.items() if k != "loss"}
+    assert strip(cfg["runs"]["bt_s0"]) == strip(cfg["runs"]["bsr_s0"])
+    assert cfg["runs"]["bt_s0"]["train"]["init_from"].endswith(os.path.join("testbed", "sft"))
+    assert cfg["pairs"]["train"] > 0 and cfg["pairs"]["val_in"] > 0
+    for name in ("pairs_train.jsonl", "pairs_val_in.jsonl"):
+        assert sum(1 for _ in open(os.path.join(wd, name))) == cfg["pairs"][name[6:-6]]
+
+    rows = list(csv.DictReader(open(os.path.join(wd, "results.csv"))))
+    assert rows and list(rows[0]) == ["run", "bsr_lambda", "seed", "metric", "value"]
+    val = {(r["run"], r["metric"]): float(r["value"]) for r in rows}
+    gold = {p: [g["gold"] for g in json.load(open(os.path.join(wd, "testbed", "groups",
+                                                               f"{p}.json")))["groups"]]
+            for p in SPLITS}
+    for arm in ("bt", "bsr"):
+        assert 0.0 <= val[(arm, "accuracy")] <= 1.0
+        for sp in SPLITS:
+            tau = val[(arm, f"tau_{sp}")]
+            if math.isnan(tau):  # only when tau is undefined in every group of the split
+                assert all(len(set(g)) == 1 for g in gold[sp]), (arm, sp)
+            else:
+                assert -1.0 <= tau <= 1.0, (arm, sp, tau)
+        for m in ("reward_std", "hidden_norm_std", "hidden_norm_mean", "reward_std_all_val"):
+            assert math.isfinite(val[(arm, m)]) and val[(arm, m)] >= 0, (arm, m)
+        assert val[(arm, "hidden_norm_mean")] > 0
+        for n in NS:
+            assert math.isfinite(val[(arm, f"bon_gold_N{n}")])
+            assert -1.0 <= val[(arm, f"bon_gold_N{n}")] <= 1.0  # VADER compound range
+    # the oracle is an upper bound on any proxy's best-of-N pick, and N = 1 is a random pick
+    for n in NS:
+        assert val[("oracle", f"bon_gold_N{n}")] >= val[("bt", f"bon_gold_N{n}")] - 1e-9
+    assert val[("oracle", "bon_gold_N1")] == pytest.approx(val[("random", "bon_gold_N1")])
+    bon = json.load(open(os.path.join(wd, "testbed", "groups", "bon.json")))["groups"]
+    assert all(len(g["gold"]) == 64 for g in bon)  # N = 64 takes the whole pool: the gold-best
+    assert val[("oracle", "bon_gold_N64")] == pytest.approx(np.mean([max(g["gold"]) for g in bon]))
+    assert len(out["results"][("bt", 0)]["scores"]["bon"]["reward"]) == len(bon)
+
+    md = open(os.path.join(wd, "results.md")).read()
+    assert "python -m experiments.bsr_robustness" in md and "seeds [0]" in md and "commit" in md
+    assert "## Main table" in md and "## Best-of-N" in md and "## Reading" in md
+    assert "| BT |" in md and "| BT+BSR (λ=1e-3, paper) |" in md
+    assert md.count("\n| 64 |") == 1 and "oracle" in md
+    for name in ("best_of_n.png", "kendall_tau.png", "dispersion.png"):
+        with open(os.path.join(wd, name), "rb") as f:
+            head = f.read()
+        assert head[:8] == b"\x89PNG\r\n\x1a\n" and len(head) > 1000, name
+
+    # a rerun recomputes nothing: no model is trained again, the tables come out the same
+    runs = sorted(os.listdir(os.path.join(wd, "runs")))
+    stamps = {r: os.path.getmtime(os.path.join(wd, "runs", r, "result.json")) for r in runs}
+    csv_before = open(os.path.join(wd, "results.csv")).read()
+    t0 = time.time()
+    main([f"--workdir={wd}", "--preset=tiny"])
+    assert time.time() - t0 < 30
+    assert sorted(os.listdir(os.path.join(wd, "runs"))) == runs
+    assert {r: os.path.getmtime(os.path.join(wd, "runs", r, "result.json")) for r in runs} == stamps
+    assert open(os.path.join(wd, "results.csv")).read() == csv_before
+
+
+def test_pair_accuracy_counts_untied_pairs_and_half_ties():
+    gold = [[0.5, 0.0, 0.0, -0.5], [0.1, 0.1]]
+    # group 0 has 5 gold-untied pairs; the proxy gets (0,1), (0,2), (0,3) right, (1,3) tied, (2,3) wrong
+    proxy = [[3.0, 1.0, -2.0, 1.0], [5.0, 0.0]]
+    acc, n = pair_accuracy(proxy, gold)
+    assert n == 5
+    assert acc == pytest.approx((3 + 0.5) / 5)
+
+
+def test_presets_compare_like_with_like():
+    for name, exp in presets().items():
+        assert {"bt", "bsr"} <= set(exp["arms"]), name
+        assert exp["pair_rule"] in ("all", "best_worst")
+    assert OOD_SPLITS == ("val_prompt_ood", "val_response_ood", "val_both_ood")
