@@ -15,6 +15,8 @@ The experiment (BT vs BT+BSR on a gold-reward testbed):
   bsr_lambda          BSR lambda (1e-3, the paper's; 0 = plain BT)
   bsr_scale_by_batch  lambda_eff = lambda * per-device batch (True, the reference)
   bsr_reduce          local: the mean over each data shard's rows (the reference) | global
+  bsr_num_shards      0 = the mesh's data * fsdp; n > 0 computes the local means over n row
+                      blocks whatever the devices (reproduces an n-device run on one device)
 
 Presets: ``tiny`` (tests), ``default`` (the spec's 4-layer d=128 backbone, byte tokens).
 """
@@ -26,7 +28,7 @@ import ml_collections
 lm = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "lm.py"))
 
 LOSS = dict(variant="bt", margin=0.0, center_coef=0.0, bsr_lambda=1e-3, bsr_scale_by_batch=True,
-            bsr_reduce="local")
+            bsr_reduce="local", bsr_num_shards=0)
 
 PRESETS = {
     "tiny": dict(

@@ -51,6 +51,8 @@ class PairTask:
         self.tokens_per_unit = 2 * d.seq_len
         shape = mesh_lib.mesh_shape(config.mesh, jax.device_count())
         self.num_shards = shape[0] * shape[1]  # devices holding distinct batch rows
+        if config.get("loss", {}).get("bsr_num_shards", 0):  # emulate another run's layout
+            self.num_shards = int(config.loss.bsr_num_shards)
         enc = dict(max_prompt_len=d.max_prompt_len, add_eos=d.add_eos)
         self.train_arrays, stats = pref_data.encode_pairs(
             pref_data.read_preference_jsonl(d.path), self.tokenizer, d.seq_len, **enc)

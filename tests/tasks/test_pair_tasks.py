@@ -16,15 +16,7 @@ from icml_jax.tasks import TASKS
 from icml_jax.train.checkpoint import restore_model_params
 from icml_jax.train.trainer import train_and_evaluate
 
-
-def _pairs(n, seed):
-    """An easy, learnable preference: responses praising vs cursing, after Shakespeare-ish prompts."""
-    rng = np.random.default_rng(seed)
-    names = ["ROMEO", "JULIET", "HAMLET", "LEAR", "PUCK", "IAGO"]
-    good = [" sweet love and joy", " good and gentle", " fair and kind", " joy, joy"]
-    bad = [" vile hate and woe", " cursed and foul", " death and grief", " woe, woe"]
-    return [{"prompt": f"{names[rng.integers(6)]}. Say", "chosen": good[rng.integers(4)],
-             "rejected": bad[rng.integers(4)]} for _ in range(n)]
+from tests.tasks.helpers import synthetic_pairs as _pairs
 
 
 @pytest.fixture(scope="module")
