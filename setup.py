@@ -25,6 +25,7 @@ INSTALL_REQUIRES = [
     "numpy==2.4.6",
     "scipy==1.17.1",  # power-law fits of the sparsity analysis (already required by jax)
     "etils==1.15.0",
+    "vaderSentiment==3.3.2",  # gold reward of the preference testbed (data/sentiment_testbed.py)
 ]
 
 EXTRAS = {
