@@ -21,7 +21,7 @@ The experiment: python -m experiments.tgdpo_vs_dpo --workdir=runs/tgdpo_vs_dpo [
   reference        "" = config.train.init_from (the SFT policy)
   guidance         TGDPO's pi_r: a DPO workdir of this config
 
-Presets: ``tiny`` (tests), ``default`` (the spec's 4-layer policy, byte tokens).
+Presets: ``tiny`` (tests), ``default`` (the testbed SFT policy's shape: 4 layers, d=128, byte tokens).
 """
 import os
 import runpy
@@ -43,9 +43,11 @@ PRESETS = {
                    eval_batches=2, checkpoint_every=10, progress=False, async_checkpoint=False),
     ),
     "default": dict(
-        model=dict(d_model=128, num_layers=4, num_heads=4, num_kv_heads=4, head_dim=32, ffn_dim=512,
+        # the preference testbed's SFT policy (experiments/preference_testbed.DEFAULT); prompts of
+        # <= 63 bytes + 128-byte responses + bos/eos fit in 200 tokens
+        model=dict(d_model=128, num_layers=4, num_heads=4, num_kv_heads=4, head_dim=32, ffn_dim=384,
                    max_seq_len=256),
-        data=dict(seq_len=160),
+        data=dict(seq_len=200),
         train=dict(steps=200, batch_size=16, lr=5e-5, warmup_steps=20, min_lr_ratio=0.0,
                    weight_decay=0.0, log_every=10, eval_every=100, eval_batches=8,
                    checkpoint_every=100, progress=True),
