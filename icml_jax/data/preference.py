@@ -170,6 +170,15 @@ def read_preference_jsonl(path: str) -> list[dict[str, Any]]:
     if not os.path.isfile(path):
         raise PreferenceDataError(f"preference file {path!r} is a directory; point the config at "
                                   "a .jsonl file.")
+    rows = _read_rows(path, _check_row)
+    if not rows:
+        raise PreferenceDataError(f"{path}: no preference rows (the file is empty or only blank "
+                                  "lines); write one {prompt, chosen, rejected} object per line.")
+    return rows
+
+
+def _read_rows(path: str, check) -> list[dict[str, Any]]:
+    """``check(parsed JSON value, "path:line")`` for every non-blank line of a JSONL file."""
     rows = []
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
@@ -186,10 +195,46 @@ def read_preference_jsonl(path: str) -> list[dict[str, Any]]:
             except json.JSONDecodeError as e:
                 raise PreferenceDataError(f"{where}: not valid JSON ({e.msg} at column {e.colno}); "
                                           "each line must be one JSON object.") from None
-            rows.append(_check_row(row, where))
+            rows.append(check(row, where))
+    return rows
+
+
+def _check_unpaired(row: Any, where: str) -> dict[str, Any]:
+    if not isinstance(row, dict):
+        raise PreferenceDataError(f"{where}: expected a JSON object with fields 'prompt', "
+                                  f"'completion' and 'label', got {_describe(row)}.")
+    for field in ("prompt", "completion", "label"):
+        if field not in row:
+            raise PreferenceDataError(
+                f"{where}: missing field {field!r} (fields: {sorted(row)}); every row needs "
+                "'prompt' and 'completion' strings and a boolean (or 0/1) 'label'.")
+    for field in ("prompt", "completion"):
+        if not isinstance(row[field], str):
+            raise PreferenceDataError(f"{where}: field {field!r} must be a string, got "
+                                      f"{_describe(row[field])}; store the text as a JSON string.")
+    if not row["completion"]:
+        raise PreferenceDataError(f"{where}: field 'completion' is empty; every completion needs "
+                                  "at least one character.")
+    label = row["label"]
+    if not (isinstance(label, bool) or (isinstance(label, int) and label in (0, 1))):
+        raise PreferenceDataError(f"{where}: field 'label' must be true/false (or 1/0), got "
+                                  f"{label!r}.")
+    out = {"prompt": row["prompt"], "completion": row["completion"], "label": bool(label)}
+    out.update({k: v for k, v in row.items() if k not in out and isinstance(v, _SCALARS)})
+    return out
+
+
+def read_unpaired_jsonl(path: str) -> list[dict[str, Any]]:
+    """Reads TRL's unpaired preference format (KTO-style): one ``{"prompt": str, "completion": str,
+    "label": bool}`` object per line (label = the completion is desirable / correct); other
+    scalar fields are kept. Errors as ``read_preference_jsonl``'s (``path:line: ...``)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"labelled-completion file {path!r} does not exist (or is a "
+                                "folder); point the config at a JSONL file of {prompt, completion, "
+                                "label} objects.")
+    rows = _read_rows(path, _check_unpaired)
     if not rows:
-        raise PreferenceDataError(f"{path}: no preference rows (the file is empty or only blank "
-                                  "lines); write one {prompt, chosen, rejected} object per line.")
+        raise PreferenceDataError(f"{path}: no rows (the file is empty or only blank lines).")
     return rows
 
 
@@ -204,15 +249,26 @@ def write_preference_jsonl(path: str, rows: Sequence[Mapping[str, Any]]) -> None
     after them (numpy scalars as plain numbers). ``read_preference_jsonl`` reads the file back to
     the same rows (non-scalar extra fields aside, which the reader drops).
     """
+    _write_rows(path, rows, {"prompt": str, "chosen": str, "rejected": str})
+
+
+def write_unpaired_jsonl(path: str, rows: Sequence[Mapping[str, Any]]) -> None:
+    """Writes ``{"prompt", "completion", "label"}`` rows atomically; ``read_unpaired_jsonl`` reads
+    them back."""
+    _write_rows(path, [{**r, "label": bool(r["label"])} if "label" in r else r for r in rows],
+                {"prompt": str, "completion": str, "label": bool})
+
+
+def _write_rows(path: str, rows: Sequence[Mapping[str, Any]], fields: Mapping[str, type]) -> None:
     lines = []
     for i, row in enumerate(rows):
-        for field in ("prompt", "chosen", "rejected"):
-            if not isinstance(row.get(field), str):
+        for field, kind in fields.items():
+            if not isinstance(row.get(field), kind):
                 raise PreferenceDataError(
-                    f"{path}: row {i}: field {field!r} must be a string, got "
-                    f"{_describe(row.get(field))}; every written row needs string prompt, chosen "
-                    "and rejected.")
-        out = {k: row[k] for k in ("prompt", "chosen", "rejected")}
+                    f"{path}: row {i}: field {field!r} must be a "
+                    f"{ {str: 'string', bool: 'boolean'}[kind]}, got "
+                    f"{_describe(row.get(field))}; every written row needs {sorted(fields)}.")
+        out = {k: row[k] for k in fields}
         out.update({k: _json_value(v) for k, v in row.items() if k not in out})
         lines.append(json.dumps(out, ensure_ascii=False) + "\n")
     folder = os.path.dirname(os.path.abspath(path))

@@ -329,3 +329,25 @@ def test_eval_batches_count_every_example_once():
         for k in b:
             np.testing.assert_array_equal(np.concatenate([halves[0][i][k], halves[1][i][k]]), b[k])
     assert sum(float(h["weight"].sum()) for part in halves for h in part) == 7
+
+
+def test_unpaired_round_trip_and_errors(tmp_path):
+    from icml_jax.data.preference import read_unpaired_jsonl, write_unpaired_jsonl
+    path = str(tmp_path / "labelled.jsonl")
+    rows = [{"prompt": "Problem: 1+2\n", "completion": "Answer: 3\n", "label": True, "group": 0},
+            {"prompt": "Problem: 1+2\n", "completion": "Answer: 4\n", "label": 0, "group": 0}]
+    write_unpaired_jsonl(path, rows)
+    back = read_unpaired_jsonl(path)
+    assert [r["label"] for r in back] == [True, False] and back[1]["group"] == 0
+    assert back[0]["completion"] == "Answer: 3\n"
+    bad = {"missing": '{"prompt": "a", "completion": "b"}',
+           "label": '{"prompt": "a", "completion": "b", "label": 2}',
+           "string": '{"prompt": 1, "completion": "b", "label": true}',
+           "empty": '{"prompt": "a", "completion": "", "label": true}'}
+    for name, line in bad.items():
+        p = tmp_path / f"{name}.jsonl"
+        p.write_text('{"prompt": "a", "completion": "b", "label": false}\n\n' + line + "\n")
+        with pytest.raises(pref.PreferenceDataError, match=rf"{name}.jsonl:3: "):
+            read_unpaired_jsonl(str(p))
+    with pytest.raises(FileNotFoundError):
+        read_unpaired_jsonl(str(tmp_path / "nope.jsonl"))
