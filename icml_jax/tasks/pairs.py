@@ -1,4 +1,5 @@
-"""What the pairwise tasks (``reward_model``, ``preference``) share: pair data and batch shapes.
+"""What the tasks over tokenised examples share (``reward_model``, ``preference``: pairs;
+``implicit_prm``: labelled single responses): data loading, batch shapes, frozen-model caches.
 
 Batches follow ``icml_jax/data/preference.py``: ``tokens``, ``segment_ids``, ``positions``,
 ``response_mask`` int32 [B, 2, T] (index 0 chosen, 1 rejected), ``lengths`` int32 [B, 2],
@@ -14,6 +15,8 @@ import numpy as np
 
 from icml_jax import data as data_lib
 from icml_jax.data import preference as pref_data
+from icml_jax.losses import response_token_logps
+from icml_jax.train import checkpoint as ckpt_lib
 from icml_jax.train import mesh as mesh_lib
 
 
@@ -53,29 +56,56 @@ class PairTask:
         self.num_shards = shape[0] * shape[1]  # devices holding distinct batch rows
         if config.get("loss", {}).get("bsr_num_shards", 0):  # emulate another run's layout
             self.num_shards = int(config.loss.bsr_num_shards)
-        enc = dict(max_prompt_len=d.max_prompt_len, add_eos=d.add_eos)
-        self.train_arrays, stats = pref_data.encode_pairs(
-            pref_data.read_preference_jsonl(d.path), self.tokenizer, d.seq_len, **enc)
+        self.train_arrays, stats = self.load(d.path)
         if d.eval_path:
-            self.eval_arrays, _ = pref_data.encode_pairs(
-                pref_data.read_preference_jsonl(d.eval_path), self.tokenizer, d.seq_len, **enc)
+            self.eval_arrays, _ = self.load(d.eval_path)
         else:
             k = t.eval_batches * t.batch_size
             self.eval_arrays = {key: v[:k] for key, v in self.train_arrays.items()}
         if jax.process_index() == 0 and (stats["truncated_prompt"] or stats["truncated_response"]):
-            print(f"{d.path}: {stats['n']} pairs, {stats['truncated_prompt']} with a truncated "
+            print(f"{d.path}: {stats['n']} examples, {stats['truncated_prompt']} with a truncated "
                   f"prompt and {stats['truncated_response']} with a truncated response at "
                   f"config.data.seq_len={d.seq_len}")
+        self.cached = []
+
+    example_shape = (2,)  # per-example leading axes of the token arrays: a (chosen, rejected) pair
+
+    def load(self, path: str):
+        """(arrays, stats) of a data file; pairs from TRL's preference JSONL."""
+        d = self.config.data
+        return pref_data.encode_pairs(pref_data.read_preference_jsonl(path), self.tokenizer,
+                                      d.seq_len, max_prompt_len=d.max_prompt_len, add_eos=d.add_eos)
 
     def dummy_batch(self, batch_size: int, seq_len: int):
-        z = jnp.zeros((batch_size, 2, seq_len), jnp.int32)
+        lead = (batch_size,) + self.example_shape
+        z = jnp.zeros(lead + (seq_len,), jnp.int32)
         return dict(tokens=z, segment_ids=z + 1, positions=z, response_mask=z,
-                    lengths=jnp.ones((batch_size, 2), jnp.int32),
-                    weight=jnp.ones((batch_size,), jnp.float32), **self.cached_dummies(z))
+                    lengths=jnp.ones(lead, jnp.int32), weight=jnp.ones((batch_size,), jnp.float32),
+                    **self.extra_dummies(batch_size),
+                    **{k: z.astype(jnp.float32) for k in self.cached})
 
-    def cached_dummies(self, z):
-        """Zero stand-ins for the per-token arrays the task caches into its batches."""
+    def extra_dummies(self, batch_size: int):
+        """Stand-ins for per-example arrays the task's data adds (e.g. labels)."""
         return {}
+
+    def cache_frozen_logps(self, key: str, workdir: str, where: str, model):
+        """Adds ``key``: the per-token log-probs (float32, aligned with ``tokens``) of every train
+        and eval example under the frozen decoder ``model`` whose params are ``workdir``'s newest
+        checkpoint. The params are dropped afterwards: only the arrays stay."""
+        try:
+            params, _ = ckpt_lib.restore_model_params(workdir, self.config.model)
+        except ckpt_lib.CheckpointError as e:
+            raise ValueError(f"{where}={workdir!r}: {e}") from e
+        fn = jax.jit(lambda p, b: response_token_logps(
+            model.apply({"params": p}, b["tokens"], b["positions"], b["segment_ids"]),
+            b["tokens"], b["response_mask"]))
+        T = self.config.data.seq_len
+        for arrays in (self.train_arrays, self.eval_arrays):
+            rows = {k: arrays[k].reshape(-1, T)
+                    for k in ("tokens", "positions", "segment_ids", "response_mask")}
+            lp = batched_apply(lambda b: fn(params, b), rows, 2 * self.config.train.batch_size)
+            arrays[key] = lp.reshape(arrays["tokens"].shape)
+        self.cached.append(key)
 
     def train_iterator(self, seed: int):
         return pref_data.pair_train_iterator(self.train_arrays, self.config.train.batch_size, seed)

@@ -25,8 +25,7 @@ from icml_jax.losses import PREFERENCE_LOSSES, dpo_loss, response_token_logps, s
 from icml_jax.losses import tgdpo_loss
 from icml_jax.models import build_model
 from icml_jax.tasks import TASKS
-from icml_jax.tasks.pairs import PairTask, as_sums, batched_apply, flat
-from icml_jax.train import checkpoint as ckpt_lib
+from icml_jax.tasks.pairs import PairTask, as_sums, flat
 
 
 @TASKS.register("preference")
@@ -40,14 +39,13 @@ class PreferenceTask(PairTask):
         dpo_loss(jnp.zeros(1), jnp.zeros(1), jnp.zeros(1), jnp.zeros(1), beta=L.beta,
                  label_smoothing=L.label_smoothing)  # fail on bad values now
         self.model = build_model(config.model)
-        self.cached = []
         reference = L.reference or config.train.init_from
         if not L.reference_free:
             if not reference:
                 raise ValueError("config.loss.type=%r needs a frozen reference: set "
                                  "config.train.init_from (the SFT workdir) or config.loss.reference, "
                                  "or config.loss.reference_free=True" % L.type)
-            self._cache("ref_logps", reference, "config.loss.reference")
+            self.cache_frozen_logps("ref_logps", reference, "config.loss.reference", self.model)
         if L.type == "tgdpo":
             if not L.guidance:
                 raise ValueError("config.loss.type='tgdpo' needs the guidance policy pi_r: set "
@@ -56,28 +54,12 @@ class PreferenceTask(PairTask):
             if L.reference_free:
                 raise ValueError("TGDPO's token reward is a log-ratio against the reference: "
                                  "config.loss.reference_free must be False")
-            self._cache("guide_logps", L.guidance, "config.loss.guidance")
-
-    def _cache(self, key: str, workdir: str, where: str):
-        """Per-token log-probs of every train/eval pair under the frozen model in ``workdir``."""
-        try:
-            params, _ = ckpt_lib.restore_model_params(workdir, self.config.model)
-        except ckpt_lib.CheckpointError as e:
-            raise ValueError(f"{where}={workdir!r}: {e}") from e
-        for arrays in (self.train_arrays, self.eval_arrays):
-            rows = {k: flat(arrays[k]) for k in ("tokens", "positions", "segment_ids", "response_mask")}
-            lp = batched_apply(lambda b: self._token_logps(params, b), rows,
-                               2 * self.config.train.batch_size)
-            arrays[key] = lp.reshape(arrays["tokens"].shape)
-        self.cached.append(key)
+            self.cache_frozen_logps("guide_logps", L.guidance, "config.loss.guidance", self.model)
 
     @functools.partial(jax.jit, static_argnums=0)
     def _token_logps(self, params, b):
         logits = self.model.apply({"params": params}, b["tokens"], b["positions"], b["segment_ids"])
         return response_token_logps(logits, b["tokens"], b["response_mask"])
-
-    def cached_dummies(self, z):
-        return {k: z.astype(jnp.float32) for k in self.cached}
 
     def init_params(self, rng, batch):
         return self.model.init(rng, flat(batch["tokens"]), flat(batch["positions"]),

@@ -174,3 +174,31 @@ def test_errors(setup):
         TASKS.get("reward_model")(c)
     with pytest.raises(ValueError, match="config.loss.variant"):
         TASKS.get("reward_model")(_config("reward_model", setup, variant="bogus"))
+
+
+def test_implicit_prm_ce_task(setup, tmp_path):
+    from icml_jax.data.preference import write_unpaired_jsonl
+    from icml_jax.losses import implicit_prm as ip
+    rows = [{"prompt": r["prompt"], "completion": r[k], "label": k == "chosen"}
+            for r in _pairs(32, 3) for k in ("chosen", "rejected")]
+    path = str(tmp_path / "labelled.jsonl")
+    write_unpaired_jsonl(path, rows)
+    c = load_config("configs/implicit_prm.py:tiny", unlocked=True)
+    c.data.path, c.train.init_from = path, setup["sft"]
+    task = TASKS.get("implicit_prm")(c)
+    assert task.train_arrays["label"].tolist() == [1.0, 0.0] * 32
+    b = _batch(task)
+    params, _ = restore_model_params(setup["sft"], c.model)
+    # pi = ref at the start: every reward is 0 and the CE loss is log 2
+    lsum, n, m = task.loss(params, b)
+    np.testing.assert_allclose(lsum / n, np.log(2), rtol=1e-5)
+    # the cached reference is frozen
+    g = jax.grad(lambda r: task.loss(params, {**b, "ref_logps": r})[0])(b["ref_logps"])
+    assert np.all(np.asarray(g) == 0)
+    losses, moved = _sgd_moves_and_learns(task, lr=3e-3)
+    assert moved > 1e-4 and losses[-1] < losses[0] - 1e-3, losses
+    with pytest.raises(ValueError, match="config.loss.beta"):
+        c2 = c.copy_and_resolve_references()
+        c2.loss.beta = 0.0
+        TASKS.get("implicit_prm")(c2)
+    assert ip.AGGREGATIONS  # the scoring module is importable from the task's package
