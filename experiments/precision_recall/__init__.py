@@ -1,0 +1,1 @@
+"""NLL + temperature vs precision-recall losses; run ``python -m experiments.precision_recall --help``."""
