@@ -68,10 +68,11 @@ PRESETS = {
               dict(name="pr_l0.1", type="pr_hinge", pr_lambda=0.1),
               dict(name="pr_l0.5", type="pr_hinge", pr_lambda=0.5),
               dict(name="pr_l0.1_mix0.1", type="pr_hinge", pr_lambda=0.1, pr_mix_nll=0.1),
-              dict(name="ft_pr_l0.1", type="pr_hinge", pr_lambda=0.1, init="nll", steps=200),
               dict(name="ft_pr_l0.1_mix0.1", type="pr_hinge", pr_lambda=0.1, pr_mix_nll=0.1,
-                   init="nll", steps=200)],
-        train={"train.steps": 600, "train.eval_every": 300, "train.checkpoint_every": 300},
+                   init="nll", steps=150)],
+        # 500 steps x 32 rows x 64 tokens: the NLL run's held-out NLL is within ~0.015 nats of a
+        # 1500-step run's (1.417 vs 1.404, measured once)
+        train={"train.steps": 500, "train.eval_every": 250, "train.checkpoint_every": 250},
     ),
 }
 QUIET = {"train.samples": 0, "train.progress": False}
