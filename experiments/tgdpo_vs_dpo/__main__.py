@@ -60,19 +60,17 @@ PRESETS = {
     "tiny": dict(
         testbed=preference_testbed.TINY, seeds=(0,), alphas=(0.5,), guidance_seed=1000,
         beta=0.1, eval_samples=2, eval_temperature=0.8, eval_seed=4242, eval_batch_size=32,
-        # prompt (<= 32 bytes) + bos + response (<= 24) + eos
-        train={"data.seq_len": 64, "train.steps": 10, "train.batch_size": 4, "train.lr": 1e-3,
+        train={"train.steps": 10, "train.batch_size": 4, "train.lr": 1e-3,
                "train.warmup_steps": 1, "train.log_every": 2, "train.eval_every": 10,
                "train.checkpoint_every": 10, "train.async_checkpoint": False},
     ),
     "default": dict(
         testbed=preference_testbed.DEFAULT, seeds=(0, 1), alphas=(0.5,), guidance_seed=1000,
         beta=0.1, eval_samples=4, eval_temperature=0.8, eval_seed=4242, eval_batch_size=64,
-        # prompt (<= 64 bytes) + bos + response (<= 64) + eos = 130
         # lr / steps from a probe (DPO, seed 0, not rerun by the experiment): at 3e-4 x 120 steps
         # the policy won 0.73 against SFT at a KL of 33 nats (train acc 1.0, val pair acc 0.60),
         # already overfit; 60 steps (2.6 epochs of the pairs) halves the cost
-        train={"data.seq_len": 136, "train.steps": 60, "train.batch_size": 16,
+        train={"train.steps": 60, "train.batch_size": 16,
                "train.lr": 3e-4, "train.warmup_steps": 6, "train.log_every": 5,
                "train.eval_every": 30, "train.checkpoint_every": 30},
     ),
@@ -114,7 +112,15 @@ def make_pairs(tb, workdir):
     else:
         paths["eval"] = ""
     gap = [r["score_chosen"] - r["score_rejected"] for r in train]
-    return {"paths": paths, "n_train_groups": len(train_groups), "n_train": len(train),
+    # data.seq_len: bos + the longest prompt + the longer response + eos, rounded up to 8
+    import ml_collections
+
+    from icml_jax.data.tokenizers import build_tokenizer
+    tok = build_tokenizer(ml_collections.ConfigDict(tb["sft_config"]["data"]["tokenizer"]))
+    n = lambda x: len(tok.encode(x))  # noqa: E731
+    longest = max(2 + n(r["prompt"]) + max(n(r["chosen"]), n(r["rejected"])) for r in train + val)
+    return {"seq_len": -(-longest // 8) * 8, "paths": paths,
+            "n_train_groups": len(train_groups), "n_train": len(train),
             "n_tied_train": len(train_groups) - len(train), "n_eval_groups": len(eval_groups),
             "n_eval": len(val), "mean_gap": float(sum(gap) / len(gap)),
             "digest": _sha([train, val])}
@@ -132,7 +138,9 @@ def run_config(exp, tb, pairs, seed, loss_type, alpha=0.0, guidance=""):
     over = {**_flatten({"model": sft["model"]}), **_flatten({"data": {"tokenizer": sft["data"]["tokenizer"]}}),
             **t, **QUIET,
             "train.eval_batches": -(-n_eval // t["train.batch_size"]),
-            "train.init_from": tb["sft_workdir"], "data.path": pairs["paths"]["train"],
+            "data.seq_len": min(int(pairs["seq_len"]), int(sft["model"]["max_seq_len"])),
+            "train.init_from": tb["sft_workdir"],
+            "data.path": pairs["paths"]["train"],
             "data.eval_path": pairs["paths"]["eval"], "loss.type": loss_type,
             "loss.beta": float(exp["beta"]), "loss.tgdpo_alpha": float(alpha),
             "loss.guidance": guidance}
@@ -310,6 +318,81 @@ def run_all(exp, tb, pairs, workdir, log=print):
     return results
 
 
+# ----------------------------------------------------------------------------- per-token analysis
+
+N_BUCKETS = 5
+
+
+def token_analysis(exp, tb, pairs, workdir, results):
+    """On the training pairs: the token rewards r̂_t = beta (log pi_r - log pi_ref) of pi_r, the
+    guidance factors TGDPO applies (1 + alpha r̂ on chosen, 1 - alpha r̂ on rejected tokens), and
+    each final policy's chosen-token log-ratio rho_t = log pi - log pi_ref by r̂ quintile."""
+    import numpy as np
+
+    from icml_jax.data.preference import encode_pairs, read_preference_jsonl
+    from icml_jax.tasks.pairs import batched_apply, flat
+    m = Models(tb["sft_workdir"])
+    arrays, _ = encode_pairs(read_preference_jsonl(pairs["paths"]["train"]), m.tok,
+                             int(pairs["seq_len"]))
+    rows = {k: flat(arrays[k]) for k in ("tokens", "positions", "segment_ids", "response_mask")}
+    mask = rows["response_mask"] > 0
+    bs = int(exp["eval_batch_size"])
+    lp = lambda params: batched_apply(lambda b: m.token_logps(params, b), rows, bs)  # noqa: E731
+    ref = lp(m.ref_params)
+    beta = float(exp["beta"])
+    r_hat = beta * (lp(m.params_of(os.path.join(workdir, "guidance"))) - ref)
+    chosen = np.zeros_like(mask)
+    chosen[0::2] = True  # flat() interleaves chosen (even rows) and rejected (odd rows)
+    rc, rr = r_hat[mask & chosen], r_hat[mask & ~chosen]
+    out = {"n_chosen_tokens": int(rc.size), "n_rejected_tokens": int(rr.size),
+           "r_hat": {"chosen": _dist(rc), "rejected": _dist(rr)}, "factors": {}, "buckets": {}}
+    for a in exp["alphas"]:
+        out["factors"][f"{a:g}"] = {"chosen": _dist(1 + a * rc), "rejected": _dist(1 - a * rr),
+                                    "frac_nonpositive": float(np.mean(np.concatenate(
+                                        [1 + a * rc, 1 - a * rr]) <= 0))}
+    edges = np.quantile(rc, np.linspace(0, 1, N_BUCKETS + 1))
+    which = np.clip(np.searchsorted(edges, rc, side="right") - 1, 0, N_BUCKETS - 1)
+    out["bucket_edges"] = [float(e) for e in edges]
+    for name, r in results.items():
+        if name in ("sft", "guidance"):
+            continue
+        rho = (lp(m.params_of(os.path.join(workdir, name))) - ref)[mask & chosen]
+        out["buckets"][name] = [float(rho[which == b].mean()) for b in range(N_BUCKETS)]
+    return out
+
+
+def _dist(x):
+    import numpy as np
+    return {"mean": float(np.mean(x)), "std": float(np.std(x)), "p05": float(np.quantile(x, 0.05)),
+            "p95": float(np.quantile(x, 0.95)), "min": float(np.min(x)), "max": float(np.max(x))}
+
+
+def token_lines(ta, results):
+    """results.md lines of the per-token analysis."""
+    import numpy as np
+    d = ta["r_hat"]
+    lines = [f"Token rewards of pi_r on the {ta['n_chosen_tokens']} chosen / "
+             f"{ta['n_rejected_tokens']} rejected training tokens: r̂ = β(log π_r − log π_ref) has "
+             f"mean {d['chosen']['mean']:+.4f} (5–95%: {d['chosen']['p05']:+.3f} … "
+             f"{d['chosen']['p95']:+.3f}) on chosen and {d['rejected']['mean']:+.4f} "
+             f"({d['rejected']['p05']:+.3f} … {d['rejected']['p95']:+.3f}) on rejected tokens."]
+    for a, f in ta["factors"].items():
+        lines.append(f"With α = {a} TGDPO's guidance factors are 1 + αr̂ ∈ [{f['chosen']['p05']:.3f}, "
+                     f"{f['chosen']['p95']:.3f}] (5–95%) on chosen and 1 − αr̂ ∈ "
+                     f"[{f['rejected']['p05']:.3f}, {f['rejected']['p95']:.3f}] on rejected tokens "
+                     f"({f['frac_nonpositive']:.1%} ≤ 0).")
+    lines += ["", "Mean chosen-token log-ratio ρ = log π − log π_ref of the final policies, by "
+              "quintile of r̂ (low → high; the spec expects TGDPO's ρ to grow more for high-r̂ "
+              "tokens):", ""]
+    arms = {}
+    for name, b in ta["buckets"].items():
+        arms.setdefault(results[name]["arm"], []).append(b)
+    e = ta["bucket_edges"]
+    header = ["arm"] + [f"r̂ ∈ [{e[i]:+.3f}, {e[i + 1]:+.3f}]" for i in range(N_BUCKETS)]
+    body = [[arm] + [f"{v:+.3f}" for v in np.mean(bs, axis=0)] for arm, bs in arms.items()]
+    return lines + [markdown_table(header, body)]
+
+
 # ----------------------------------------------------------------------------- summaries
 
 CSV_FIELDS = ("run", "arm", "alpha", "seed", "steps", "win_vs_sft", "win_vs_sft_se", "mean_gold",
@@ -481,7 +564,7 @@ def plot_curves(results, path):
 
 # ----------------------------------------------------------------------------- driver
 
-def write_outputs(workdir, exp, preset, argv, tb, pairs, results, seconds):
+def write_outputs(workdir, exp, preset, argv, tb, pairs, results, seconds, ta):
     h2h = head_to_head(results, exp)
     rows = csv_rows(results, h2h)
     write_csv(os.path.join(workdir, "results.csv"), rows, CSV_FIELDS)
@@ -490,13 +573,14 @@ def write_outputs(workdir, exp, preset, argv, tb, pairs, results, seconds):
     t = exp["train"]
     md = [f"# TGDPO vs DPO on the sentiment testbed ({preset} preset)", "",
           f"Command: `{cmd}` | seeds {list(exp['seeds'])} (data order; guidance pi_r seed "
-          f"{exp['guidance_seed']}) | commit {git_commit()} | wall time {seconds:.0f} s this "
-          "invocation.", "",
+          f"{exp['guidance_seed']}) | commit {git_commit()} | wall time {seconds[0]:.0f} s this "
+          f"invocation ({seconds[1]:.0f} s for the longest one in this workdir, the one that "
+          "computed the runs; the testbed's own build time is in its testbed.json).", "",
           f"SFT policy: {tb['sft_config']['model']['num_layers']} layers, d = "
           f"{tb['sft_config']['model']['d_model']}, byte tokens (testbed "
           f"`{tb['workdir']}`). Gold: VADER compound sentiment of the continuation. Pairs: best vs "
           f"worst of 5 SFT samples (T = 0.8) for {pairs['n_train_groups']} prompts → "
-          f"{pairs['n_train']} pairs ({pairs['n_tied_train']} tied groups skipped; mean gold gap "
+          f"{pairs['n_train']} pairs ({pairs['n_tied_train']} tied group(s) skipped; mean gold gap "
           f"{pairs['mean_gap']:.3f}); validation pairs: {pairs['n_eval']} from the SFT reference "
           f"samples of {pairs['n_eval_groups']} held-out prompts. Every run: {t['train.steps']} steps "
           f"× {t['train.batch_size']} pairs, lr {t['train.lr']:g} (warmup "
@@ -524,7 +608,9 @@ def write_outputs(workdir, exp, preset, argv, tb, pairs, results, seconds):
            "the sampling distribution). h2h: TGDPO vs the DPO policy of the same seed, same rule. "
            "train acc: `rewards/accuracies` over the last fifth of training; val pair acc: "
            "`eval_rewards/accuracies` on the validation pairs at the end.", "",
-           "## Reading", ""] + reading(stats, results) + ["", "## Per run", ""]
+           "## Reading", ""] + reading(stats, results) + [
+               "", "## Per-token analysis (training pairs)", ""] + token_lines(ta, results) + [
+               "## Per run", ""]
     md.append(markdown_table(
         ["run", "arm", "seed", "win vs SFT", "mean gold", "KL", "h2h vs DPO", "train acc",
          "train margin", "val acc", "train s", "eval s"],
@@ -565,11 +651,21 @@ def main(argv=None):
                             if arm.startswith("TGDPO") else "").to_json_best_effort())}
                  for name, arm, alpha, seed in plan(exp)}})
     results = run_all(exp, tb, pairs, a.workdir, log=lambda *m: print(*m, flush=True))
+    ta = cached(os.path.join(a.workdir, "token_analysis.json"),
+                {"runs": {n: _sha(r.get("curve", [])) + _sha(r["groups"]) for n, r in results.items()},
+                 "pairs": pairs["digest"], "version": 1},
+                lambda: token_analysis(exp, tb, pairs, a.workdir, results))
     seconds = time.time() - t0
-    stats = write_outputs(a.workdir, exp, a.preset, argv, tb, pairs, results, seconds)
-    write_json(os.path.join(a.workdir, "timing.json"),
-               {"seconds_this_invocation": seconds, "testbed_seconds_this_invocation": t_tb,
-                "testbed_measured": tb["seconds"]})
+    timing_path = os.path.join(a.workdir, "timing.json")
+    old = json.load(open(timing_path)) if os.path.exists(timing_path) else {}
+    longest = max(seconds, old.get("longest_invocation_seconds",
+                                   old.get("seconds_this_invocation", 0.0)))
+    stats = write_outputs(a.workdir, exp, a.preset, argv, tb, pairs, results,
+                          (seconds, longest), ta)
+    write_json(timing_path, {"seconds_this_invocation": seconds,
+                             "longest_invocation_seconds": longest,
+                             "testbed_seconds_this_invocation": t_tb,
+                             "testbed_measured": tb["seconds"]})
     print(f"[tgdpo_vs_dpo] done in {seconds:.1f} s; results in {a.workdir}/results.md")
     for arm, s in stats.items():
         print(f"  {arm:14s} win vs SFT {_pm(s['win_vs_sft'])}  gold {_pm(s['mean_gold'])}  "
