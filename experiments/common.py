@@ -8,15 +8,29 @@ import csv
 import json
 import os
 import subprocess
+import tempfile
 from typing import Callable, Iterable, Mapping, Sequence
+
+
+def _replace_atomic(path: str, write, newline=None) -> None:
+    """``write(file)`` into a temp file of this process beside ``path``, then rename it over
+    ``path`` (two writers never share a temp file; a failed write leaves ``path`` untouched)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=os.path.basename(path) + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", newline=newline) as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
 
 
 def write_atomic(path: str, text: str) -> None:
     """Writes ``text`` to ``path`` via a temp file + rename."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)
+    _replace_atomic(path, lambda f: f.write(text))
 
 
 def write_json(path: str, obj) -> None:
@@ -25,11 +39,11 @@ def write_json(path: str, obj) -> None:
 
 def write_csv(path: str, rows: Iterable[Mapping], fieldnames: Sequence[str]) -> None:
     """A CSV with a header row, written atomically."""
-    with open(path + ".tmp", "w", newline="") as f:
+    def write(f):
         w = csv.DictWriter(f, fieldnames=list(fieldnames))
         w.writeheader()
         w.writerows(rows)
-    os.replace(path + ".tmp", path)
+    _replace_atomic(path, write, newline="")
 
 
 def git_commit() -> str:
