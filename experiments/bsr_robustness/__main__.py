@@ -67,11 +67,13 @@ def presets():
                    "train.warmup_steps": 2},
         ),
         "default": dict(
-            testbed=default, seeds=(0, 1), arms=("bt", "bsr", "bsr_1e-2"), pair_rule="all",
-            min_gap=0.0, bon_draws=64,
-            # the 10x-lambda extra arm runs on the first seed only (time)
-            arm_seeds={"bsr_1e-2": (0,)},
-            train={"train.steps": 100, "train.batch_size": 16, "train.lr": 1e-3,
+            # the 10x-lambda arm (not the paper's setting) is left out for time: add it with
+            # --arms=bt,bsr,bsr_1e-2 (it then runs on the first seed only)
+            testbed=default, seeds=(0, 1), arms=("bt", "bsr"), pair_rule="all",
+            min_gap=0.0, bon_draws=64, arm_seeds={"bsr_1e-2": (0,)},
+            # lr probe (bt, seed 0, val_in accuracy; measured once, not rerun): 100 steps at
+            # 1e-3 -> 0.509, 80 steps at 3e-3 -> 0.527. CPU time allows ~150 steps per run.
+            train={"train.steps": 150, "train.batch_size": 16, "train.lr": 3e-3,
                    "train.warmup_steps": 10},
         ),
     }
@@ -231,7 +233,7 @@ def _pm(ms):
     return "n/a" if ms[0] != ms[0] else f"{ms[0]:.3f} ± {ms[1]:.3f}"
 
 
-def reading(agg: dict, arms, seeds, refs) -> list[str]:
+def reading(agg: dict, arms, seeds, refs, n_val_pairs: int) -> list[str]:
     """Plain statements generated from the numbers (so a rerun cannot contradict them)."""
     if "bt" not in agg or "bsr" not in agg:
         return ["* Needs both the bt and bsr arms for a comparison."]
@@ -247,6 +249,16 @@ def reading(agg: dict, arms, seeds, refs) -> list[str]:
         return d, better, resolved
 
     lines = []
+    # above chance: the seed-mean accuracy beats 0.5 by two binomial standard errors of the val set
+    chance = 0.5 + 2 * 0.5 / math.sqrt(max(n_val_pairs, 1))
+    learned = {x: agg[x]["accuracy"][0] > chance for x in ("bt", "bsr")}
+    if not all(learned.values()):
+        lines.append(
+            f"* **Caveat first: {' and '.join(ARM_LABEL[x] for x in learned if not learned[x])} "
+            f"did not learn beyond chance** (val_in accuracy ≤ {chance:.3f}, i.e. within two "
+            f"binomial standard errors of 0.5 over {n_val_pairs} pairs). A reward model at chance "
+            "ranks responses by features unrelated to gold, so the τ, dispersion and best-of-N "
+            "differences below say nothing about the paper's claims; they are reported as measured.")
     da = bs["accuracy"][0] - bt["accuracy"][0]
     lines.append(f"* **In-domain accuracy.** BT {_pm(bt['accuracy'])}, BSR {_pm(bs['accuracy'])} "
                  f"(Δ = {da:+.3f}; chance 0.5){note}.")
@@ -277,17 +289,20 @@ def reading(agg: dict, arms, seeds, refs) -> list[str]:
     tau_dir = n_better >= 2
     disp_dir = cmp("reward_std", True)[1] and cmp("hidden_norm_std", True)[1]
     bon_dir = g(bs, 64) > g(bt, 64) and peak(bs) >= peak(bt)
-    verdicts = [("similar in-domain accuracy (|Δ| ≤ 0.03)", acc_close),
+    verdicts = [("both above chance", all(learned.values())),
+                ("similar in-domain accuracy (|Δ| ≤ 0.03)", acc_close),
                 ("lower dispersion of rewards and ‖h‖ with BSR", disp_dir),
                 ("higher OOD τ with BSR on most splits", tau_dir),
                 ("best-of-N gold at N = 64 higher with BSR, peaking no earlier", bon_dir)]
-    shown = sum(v for _, v in verdicts[1:])
+    shown = sum(v for _, v in verdicts[2:])
     lines.append("* **The paper's direction here.** " + "; ".join(
         f"{t}: {'yes' if v else 'no'}" for t, v in verdicts) +
         f". {shown}/3 of the paper's predicted effects show"
         + (" on one seed." if one else f" on the seed means ({len(seeds)} seeds); see the ± "
            "columns for which differences exceed the seed spread.") +
-        " This is a tiny byte-level model on a VADER gold, not the paper's 8B setting.")
+        " This is a tiny byte-level model on a VADER gold, not the paper's 8B setting" +
+        ("." if all(learned.values()) else
+         "; with a model at chance the direction is not tested here."))
     if "bsr_1e-2" in agg:
         s = agg["bsr_1e-2"]
         lines.append(f"* **Stronger λ = 1e-2 (not the paper's setting).** accuracy {_pm(s['accuracy'])}, "
@@ -491,7 +506,7 @@ def main(argv=None) -> dict:
                           [_pm(agg[x][f"bon_gold_N{n}"]) for x in arms] +
                           [round(refs["oracle"]["gold"][i], 4), round(refs["random"]["gold"][i], 4)]
                           for i, n in enumerate(NS)]),
-          "\n## Reading\n", "\n".join(reading(agg, arms, seeds, refs)) + "\n",
+          "\n## Reading\n", "\n".join(reading(agg, arms, seeds, refs, len(val_rows))) + "\n",
           "\nPlots: `best_of_n.png` (gold vs the KL bound), `kendall_tau.png` (τ per split), "
           "`dispersion.png` (val_in reward and ‖h‖ histograms, first seed).\n"]
     write_atomic(os.path.join(wd, "results.md"), "\n".join(md))
