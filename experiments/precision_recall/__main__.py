@@ -54,6 +54,7 @@ PRESETS = {
         source=dict(seed=0, num_chains=3, num_letters=6, branching=2, max_len=4),
         n_train=1500, data_seed=1, seed=0, config="tiny",
         temperatures=(0.5, 1.0, 2.0), recall_eps=0.1,
+        frontier_temperatures=[0.5, 0.75, 1.0, 1.5, 2.0],
         # two runs keep the test short: NLL, and the PR loss warm-started from it
         runs=[dict(name="nll", type="nll"),
               dict(name="ft_pr_l0.1_mix0.1", type="pr_hinge", pr_lambda=0.1, pr_mix_nll=0.1,
@@ -64,6 +65,8 @@ PRESETS = {
         source=dict(seed=0, num_chains=8, num_letters=10, branching=3, max_len=7),
         n_train=20000, data_seed=1, seed=0, config="default",
         temperatures=(0.5, 0.7, 1.0, 1.5, 2.0), recall_eps=0.1,
+        # the NLL model's frontier for the matched-precision comparison, T = 0.3, 0.35, ..., 2.5
+        frontier_temperatures=[round(0.3 + 0.05 * i, 2) for i in range(45)],
         runs=[dict(name="nll", type="nll"),
               dict(name="pr_l0.1", type="pr_hinge", pr_lambda=0.1),
               dict(name="pr_l0.5", type="pr_hinge", pr_lambda=0.5),
@@ -145,12 +148,26 @@ def train_and_score(cfg, workdir, strings, p_support, exp):
     t0 = time.time()
     summary = train_and_evaluate(cfg, workdir)
     train_s = time.time() - t0
+    timing = os.path.join(workdir, "timing.json")
+    if summary["start_step"] < summary["step"]:
+        write_json(timing, {"train_seconds": train_s, "steps": int(summary["step"])})
+    elif os.path.exists(timing):  # finished before: only re-evaluated, keep the measured time
+        with open(timing) as f:
+            train_s = json.load(f)["train_seconds"]
+    else:
+        train_s = None
     task = TASKS.get("pr_lm")(cfg)
     t1 = time.time()
-    logq = sequence_logprobs(task.model, summary["state"].params, task.tokenizer, strings,
-                             exp["temperatures"], batch_size=2048)
-    return {"params": int(summary["params"]), "steps": int(summary["step"]),
-            "train_seconds": train_s if summary["start_step"] < summary["step"] else None,
+    fine = list(exp["frontier_temperatures"]) if cfg.loss.type == "nll" else []
+    temps = list(exp["temperatures"]) + fine
+    logq = sequence_logprobs(task.model, summary["state"].params, task.tokenizer, strings, temps,
+                             batch_size=2048)
+    frontier = [{k: m[k] for k in ("temperature", "precision", "recall")}
+                for m in pr_metrics(p_support, logq[len(exp["temperatures"]):], fine,
+                                    exp["recall_eps"])]
+    logq = logq[:len(exp["temperatures"])]
+    return {"frontier": frontier, "params": int(summary["params"]), "steps": int(summary["step"]),
+            "train_seconds": train_s,
             "score_seconds": time.time() - t1,
             "eval_token_nll": float(summary.get("eval_token_nll", float("nan"))),
             "eval_saturated": float(summary.get("eval_saturated", float("nan"))),
@@ -162,13 +179,20 @@ def at(result, t):
 
 
 def nll_recall_at_precision(nll, precision):
-    """The NLL model's recall at ``precision`` on its temperature curve (linear between
-    neighbouring temperatures), or None outside the precision range the temperatures reach."""
-    pts = sorted(((r["precision"], r["recall"]) for r in nll["by_temperature"]))
+    """The NLL model's recall at ``precision`` on its fine temperature frontier (linear between
+    neighbouring temperatures of ``frontier_temperatures``; where several temperature segments
+    reach that precision, the highest recall), or None outside the precision range it reaches."""
+    pts = [(r["precision"], r["recall"]) for r in nll["frontier"]]
+    best = None
     for (p0, r0), (p1, r1) in zip(pts[:-1], pts[1:]):
-        if p0 <= precision <= p1:
-            return r0 if p1 == p0 else r0 + (precision - p0) / (p1 - p0) * (r1 - r0)
-    return None
+        lo, hi = min(p0, p1), max(p0, p1)
+        if lo <= precision <= hi:
+            r = r0 if p1 == p0 else r0 + (precision - p0) / (p1 - p0) * (r1 - r0)
+            best = r if best is None else max(best, r)
+    return best
+
+
+MARGIN = 0.005  # recall gains below this (absolute) are not called a difference (one seed)
 
 
 CSV_FIELDS = ("run", "loss_type", "pr_lambda", "pr_mix_nll", "init", "steps", "temperature",
@@ -196,52 +220,79 @@ def csv_rows(exp, results):
     return rows
 
 
+def recall_gains(nll, result):
+    """[(T, precision, recall, NLL recall at that precision or None, gain or None)] per T."""
+    out = []
+    for m in result["by_temperature"]:
+        ref = nll_recall_at_precision(nll, m["precision"])
+        out.append((m["temperature"], m["precision"], m["recall"], ref,
+                    None if ref is None else m["recall"] - ref))
+    return out
+
+
 def reading(exp, results):
     """Plain statements of what the numbers show (generated, so a rerun cannot contradict them)."""
     nll = results["nll"]
     temps = sorted(exp["temperatures"])
-    t_lo, t_hi = temps[0], temps[-1]
-    base, lo, hi = at(nll, 1.0), at(nll, t_lo), at(nll, t_hi)
+    t_lo = temps[0]
+    base, lo = at(nll, 1.0), at(nll, t_lo)
+    hot = [f for f in nll["frontier"] if f["temperature"] > 1.0]
+    top = max(hot, key=lambda f: f["recall"])
+    gain_up, cost_up = top["recall"] - base["recall"], base["precision"] - top["precision"]
     lines = [
         f"* **Temperature, lowering it.** NLL model at T={t_lo:g} vs T=1: precision "
         f"{base['precision']:.4f} → {lo['precision']:.4f} ({lo['precision'] - base['precision']:+.4f}), "
         f"recall {base['recall']:.4f} → {lo['recall']:.4f} ({lo['recall'] - base['recall']:+.4f}).",
-        f"* **Temperature, raising it.** T={t_hi:g} vs T=1: recall {base['recall']:.4f} → "
-        f"{hi['recall']:.4f} ({hi['recall'] - base['recall']:+.4f}), precision "
-        f"{base['precision']:.4f} → {hi['precision']:.4f} ({hi['precision'] - base['precision']:+.4f})."]
-    gain_up = hi["recall"] - base["recall"]
-    cost_up = base["precision"] - hi["precision"]
-    lines.append("  Temperature " + ("fails to raise recall much: each point of recall gained costs "
-                                     f"{cost_up / gain_up:.1f} points of precision"
-                                     if gain_up > 0 and cost_up > gain_up else
-                                     "raises recall at least as much as it costs precision"
-                                     if gain_up > 0 else "does not raise recall at all") + ".")
-    better, worse, outside = [], [], []
+        f"* **Temperature, raising it.** Over T ∈ (1, {hot[-1]['temperature']:g}] (steps of "
+        f"{(hot[-1]['temperature'] - hot[0]['temperature']) / max(len(hot) - 1, 1):.2g}) the NLL model's recall peaks at "
+        f"{top['recall']:.4f} (T={top['temperature']:g}, {gain_up:+.4f} vs T=1) while precision "
+        f"falls to {top['precision']:.4f} ({-cost_up:+.4f}); at T={temps[-1]:g} recall is "
+        f"{at(nll, temps[-1])['recall']:.4f} and precision {at(nll, temps[-1])['precision']:.4f}. "
+        + ("Raising T buys little recall at a large precision cost"
+           f" ({cost_up / gain_up:.0f} points of precision per point of recall)."
+           if 0 < gain_up < cost_up else "Raising T does not raise recall." if gain_up <= 0 else
+           "Raising T buys recall at least as cheaply as it costs precision.")]
+    beats, items = [], []
     for spec in exp["runs"][1:]:
-        m = at(results[spec["name"]], 1.0)
-        ref = nll_recall_at_precision(nll, m["precision"])
-        dominated = any(n["precision"] >= m["precision"] and n["recall"] >= m["recall"]
-                        for n in nll["by_temperature"])
-        if ref is None:
-            outside.append(f"`{spec['name']}` (precision {m['precision']:.4f}, recall "
-                           f"{m['recall']:.4f}{', dominated by an NLL temperature' if dominated else ''})")
-        elif m["recall"] > ref:
-            better.append(f"`{spec['name']}` ({m['recall']:.4f} vs {ref:.4f} at precision "
-                          f"{m['precision']:.4f})")
-        else:
-            worse.append(f"`{spec['name']}` ({m['recall']:.4f} vs {ref:.4f} at precision "
-                         f"{m['precision']:.4f})")
-    lines.append("* **PR losses at T=1 vs NLL + temperature at matched precision.** Higher recall: "
-                 + (", ".join(better) or "none") + ". Lower or equal recall: "
-                 + (", ".join(worse) or "none") + ". Outside the precision range NLL's temperatures "
-                 "reach: " + (", ".join(outside) or "none") + ".")
-    shows_t = gain_up < cost_up and lo["precision"] >= base["precision"]
-    verdict = ("shows" if shows_t and better else
-               "shows only in part (temperature behaves as described, but no PR-loss run beats it)"
-               if shows_t else "does not show")
+        g = recall_gains(nll, results[spec["name"]])
+        t1 = next(x for x in g if x[0] == 1.0)
+        valid = [x for x in g if x[4] is not None]
+        best = max(valid, key=lambda x: x[4]) if valid else None
+        desc = (f"`{spec['name']}`: at T=1 precision {t1[1]:.4f}, recall {t1[2]:.4f} "
+                + (f"vs NLL's {t1[3]:.4f} ({t1[4]:+.4f})" if t1[3] is not None else
+                   "(a precision no NLL temperature gives)"))
+        if best is not None and best[0] != 1.0:
+            desc += f"; best over its T sweep {best[4]:+.4f} at T={best[0]:g} (precision {best[1]:.4f})"
+        items.append(desc)
+        if best is not None and best[4] > MARGIN:
+            beats.append(spec["name"])
+    lines.append("* **PR-loss runs vs NLL + temperature at matched precision** (recall minus the "
+                 "NLL frontier's recall at the same precision; a difference needs > "
+                 f"{MARGIN:g}):\n" + "\n".join(f"  * {x}" for x in items))
+    temp_shows = 0 < gain_up < cost_up or gain_up <= 0
+    if temp_shows and beats:
+        verdict = (f"shows: temperature fails to raise recall, and {', '.join(f'`{b}`' for b in beats)} "
+                   "reach(es) recall the NLL model does not reach at any temperature at the same "
+                   "precision")
+    elif temp_shows:
+        verdict = ("shows only in part: temperature behaves as described, but no PR-loss run beats "
+                   "NLL + temperature by more than the margin")
+    else:
+        verdict = "does not show: raising T buys recall cheaply here"
     lines.append(f"* **Paper's direction** (temperature trades recall for precision well but fails "
-                 f"to raise recall; the PR losses reach trade-offs temperature cannot): it {verdict} "
-                 f"here, with one seed and the spec's unverified candidate loss.")
+                 f"to raise recall; the PR losses reach trade-offs temperature cannot): it {verdict}. "
+                 f"One seed, a {nll['params'] / 1e3:.0f}k-parameter model, and the spec's "
+                 "unverified candidate loss.")
+    pure = [s for s in exp["runs"][1:] if not s.get("pr_mix_nll")]
+    if pure:
+        lines.append("* **Pure L_λ (no NLL term)**: " + ", ".join(
+            f"`{s['name']}` precision {at(results[s['name']], 1.0)['precision']:.4f}, recall "
+            f"{at(results[s['name']], 1.0)['recall']:.4f}, {results[s['name']]['eval_saturated']:.1%} "
+            "of held-out targets saturated (q_y ≥ λ, zero gradient)" for s in pure)
+            + ". L_λ = 0 once every target has q_y ≥ λ; the rest of the mass is unconstrained "
+            "(λ = 0.1), or the hinge drops the rarer successors once the likelier ones reach λ "
+            "(λ = 0.5). A small NLL term (or a warm start from NLL plus that term) is what makes "
+            "the loss usable here.")
     return lines
 
 
@@ -249,7 +300,7 @@ def markdown(exp, results, meta, corpus):
     nll = results["nll"]
     src = meta["source"]
     header = ["run", "objective", "init", "T", "precision", "recall (ε={:g})".format(exp["recall_eps"]),
-              "recall (ε=0.01)", "α/β at λ=0.1", "α/β at λ=1", "α/β at λ=10", "NLL recall at this precision",
+              "recall (ε=0.01)", "α/β at λ=0.1", "α/β at λ=1", "α/β at λ=10", "NLL+T recall at this precision (Δ)",
               "eval NLL"]
     rows = []
     for spec in exp["runs"]:
@@ -258,14 +309,15 @@ def markdown(exp, results, meta, corpus):
                f"L_λ, λ={spec['pr_lambda']:g}" + (f" + {spec['pr_mix_nll']:g}·NLL"
                                                    if spec.get("pr_mix_nll") else ""))
         for m in r["by_temperature"]:
-            if spec["type"] != "nll" and m["temperature"] != 1.0:
-                continue
+            if spec["type"] != "nll" and not spec.get("pr_mix_nll") and m["temperature"] != 1.0:
+                continue  # the pure-L_lambda runs: T=1 only (all T are in results.csv)
             ref = (nll_recall_at_precision(nll, m["precision"]) if spec["type"] != "nll" else None)
             rows.append([spec["name"], obj, spec.get("init", "scratch") + f", {r['steps']} steps",
                          f"{m['temperature']:g}", f"{m['precision']:.4f}", f"{m['recall']:.4f}",
                          f"{m['recall_eps0.01']:.4f}",
                          *[f"{m['prd'][k][0]:.3f} / {m['prd'][k][1]:.3f}" for k in ("0.1", "1", "10")],
-                         "—" if ref is None else f"{ref:.4f}", f"{r['eval_token_nll']:.4f}"])
+                         "—" if ref is None else f"{ref:.4f} ({m['recall'] - ref:+.4f})",
+                         f"{r['eval_token_nll']:.4f}"])
     train_min = sum((r["train_seconds"] or 0) for r in results.values()) / 60
     lines = ["# Precision–recall: NLL + temperature vs PR losses (exact, synthetic Markov source)", "",
              f"Command: `{meta['command']}` — commit `{meta['commit']}`, preset `{meta['preset']}`, "
@@ -284,8 +336,11 @@ def markdown(exp, results, meta, corpus):
              f"P({{x : Q_T(x) ≥ ε·P(x)}}) with ε = {exp['recall_eps']:g} (and 0.01); (α_λ, β_λ) = "
              "(Σ min(λP, Q_T), α_λ/λ). Q_T(x) = Π_t softmax(logits_t/T)[x_t] over [bos] x [eos], "
              "what temperature sampling generates. L_λ = min(λ,1) − min(λ, q_y) is the spec's "
-             "**unverified** candidate loss (the paper's exact loss is unknown). PR-loss runs are "
-             "shown at T=1 (all temperatures are in results.csv).", "",
+             "**unverified** candidate loss (the paper's exact loss is unknown). The NLL+T "
+             "reference recall is read off the NLL model's frontier over T = "
+             f"{exp['frontier_temperatures'][0]:g}…{exp['frontier_temperatures'][-1]:g} "
+             f"({len(exp['frontier_temperatures'])} temperatures, linear in between). Pure-L_λ "
+             "runs are shown at T=1 only (every run at every T is in results.csv).", "",
              markdown_table(header, rows), "## Reading", ""]
     lines += reading(exp, results)
     lines += ["", "Plots: `pr_points.png` (precision vs recall: NLL over temperature as a curve, the "
@@ -301,8 +356,9 @@ def plots(exp, results, workdir):
     nll = results["nll"]
     fig, ax = plt.subplots(figsize=(6.4, 4.6))
     pts = nll["by_temperature"]
-    ax.plot([m["recall"] for m in pts], [m["precision"] for m in pts], "o-", color="tab:blue",
-            label="NLL + temperature T")
+    ax.plot([m["recall"] for m in nll["frontier"]], [m["precision"] for m in nll["frontier"]], "-",
+            color="tab:blue", label="NLL + temperature T (frontier)")
+    ax.plot([m["recall"] for m in pts], [m["precision"] for m in pts], "o", color="tab:blue")
     for m in pts:
         ax.annotate(f"T={m['temperature']:g}", (m["recall"], m["precision"]),
                     textcoords="offset points", xytext=(4, 4), fontsize=7, color="tab:blue")
@@ -376,6 +432,7 @@ def main(argv=None):
                 "runs": {n: json.loads(c.to_json_best_effort()) for n, c in configs.items()}})
     results = {}
     eval_key = {"source": exp["source"], "temperatures": exp["temperatures"],
+                "frontier_temperatures": exp["frontier_temperatures"],
                 "recall_eps": exp["recall_eps"], "prd_lambdas": PRD_LAMBDAS, "corpus": corpus}
     for spec in exp["runs"]:
         name, cfg = spec["name"], configs[spec["name"]]

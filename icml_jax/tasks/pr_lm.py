@@ -95,9 +95,11 @@ def sequence_logprobs(model, params, tokenizer, strings: Sequence[str],
         pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), inp.shape)
         w = (pos < len_B[:, None]).astype(jnp.float32)
         logits = model.apply({"params": p}, inp, pos, jnp.ones_like(inp)).astype(jnp.float32)
-        logp = jax.nn.log_softmax(logits[None] * inv_t[:, None, None, None], axis=-1)
-        lp = jnp.take_along_axis(logp, jnp.broadcast_to(tgt, logp.shape[:3])[..., None], -1)[..., 0]
-        return (lp * w).sum(-1)
+
+        def one(it):  # one temperature at a time: memory of one [B, T, V] log-softmax
+            logp = jax.nn.log_softmax(logits * it, axis=-1)
+            return (jnp.take_along_axis(logp, tgt[..., None], -1)[..., 0] * w).sum(-1)
+        return jax.lax.map(one, inv_t)
 
     out = []
     for i in range(0, len(toks), batch_size):
