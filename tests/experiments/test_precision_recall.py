@@ -31,13 +31,15 @@ def test_pr_lm_rejects_bad_lambda(bad):
 
 def test_sequence_logprobs_are_exact_with_temperature():
     task = _task(type="pr_hinge", pr_lambda=0.5)
-    toks, lengths = encode_strings(task.tokenizer, ["ab", "c"])
-    params = task.init_params(jax.random.key(0), task.dummy_batch(1, 8))
+    strings = ["ab", "cd"]  # one length: one compilation of the reference apply
+    toks, lengths = encode_strings(task.tokenizer, strings)
+    params = jax.jit(task.init_params)(jax.random.key(0), task.dummy_batch(1, 8))  # eager init is slow
     params = jax.tree.map(lambda x: x * 20.0, params)  # peaked logits: T matters
-    got = sequence_logprobs(task.model, params, task.tokenizer, ["ab", "c"], (0.5, 1.0))
+    got = sequence_logprobs(task.model, params, task.tokenizer, strings, (0.5, 1.0))
+    apply = jax.jit(task.model.apply)
     for i, (row, n) in enumerate(zip(toks, lengths)):
         x = row[None, :n]
-        logits = np.asarray(task.model.apply({"params": params}, x, np.arange(n)[None],
+        logits = np.asarray(apply({"params": params}, x, np.arange(n)[None],
                                              np.ones_like(x)), np.float64)[0]
         for j, t in enumerate((0.5, 1.0)):
             z = logits / t
