@@ -109,6 +109,10 @@ def make_train_step(task, tx, grad_accum: int, schedule=None):
 def make_eval_step(task):
     def eval_fn(params, batch):
         lsum, n, msums = task.loss(params, batch)
+        clash = {"nll", "tokens"} & set(msums)
+        if clash:
+            raise ValueError(f"task {type(task).__name__} returns metric(s) {sorted(clash)}, names "
+                             "the evaluation totals use; rename them")
         return {"nll": lsum, "tokens": n, **msums}
     return eval_fn
 
