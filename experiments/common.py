@@ -77,3 +77,47 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(fmt(v) for v in r) + " |" for r in rows]
     return "\n".join(lines) + "\n"
+
+
+def digest(obj, length: int = 16) -> str:
+    """A short, stable hash of any JSON-able ``obj`` (cache keys, run-folder names)."""
+    import hashlib
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:length]
+
+
+def flatten_overrides(d: Mapping, prefix: str = "") -> dict:
+    """A nested config dict (e.g. a run's saved config.json section) as flat ``a.b.c`` override
+    keys for ``ConfigDict.update_from_flattened_dict``; JSON lists become tuples."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, Mapping):
+            out.update(flatten_overrides(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = tuple(v) if isinstance(v, list) else v
+    return out
+
+
+class FrozenPolicy:
+    """A trained decoder workdir (e.g. the SFT policy: the reference) loaded once, with a jitted
+    per-token log-prob function ``token_logps(params, batch)`` (token-aligned, masked by the
+    batch's ``response_mask``) and ``params_of(workdir)`` for other runs of the same model."""
+
+    def __init__(self, workdir: str):
+        import jax
+
+        from icml_jax.losses import response_token_logps
+        from icml_jax.models.decoder import build_model
+        from icml_jax.sample import load_workdir
+        self.model_cfg, self.ref_params, self.tok, _ = load_workdir(workdir)
+        self.model = build_model(self.model_cfg)
+
+        @jax.jit
+        def token_logps(params, b):
+            logits = self.model.apply({"params": params}, b["tokens"], b["positions"],
+                                      b["segment_ids"])
+            return response_token_logps(logits, b["tokens"], b["response_mask"])
+        self.token_logps = token_logps
+
+    def params_of(self, workdir: str):
+        from icml_jax.train.checkpoint import restore_model_params
+        return restore_model_params(workdir, self.model_cfg)[0]

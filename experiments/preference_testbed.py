@@ -52,14 +52,13 @@ changed SFT config is refused in a workdir that holds another SFT run (use a new
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import sys
 import time
 import zlib
 
-from experiments.common import cached, write_json
+from experiments.common import cached, digest, write_json
 
 # Parts: name -> (prompt pool, slice of the pool, temperature key, responses key). Parts sharing
 # (pool, slice) share their prompts.
@@ -129,10 +128,6 @@ def sft_config(preset: dict):
         raise ValueError("the testbed's SFT policy is a byte-level LM on the Shakespeare corpus; "
                          f"got data.name={cfg.data.name!r}, tokenizer={cfg.data.tokenizer.type!r}")
     return cfg
-
-
-def _sha(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _seed(base: int, name: str) -> int:
@@ -228,7 +223,7 @@ def build_testbed(workdir: str, preset_cfg: dict) -> dict:
     _check_sft_unchanged(os.path.join(workdir, "sft_result.json"), cfg_dict, sft_dir)
     sft = cached(os.path.join(workdir, "sft_result.json"), cfg_dict,
                  lambda: _train_sft(cfg, sft_dir))
-    sft_key = _sha(cfg_dict)
+    sft_key = digest(cfg_dict)
 
     prompt_sets = _prompt_sets(preset)
     # one decode shape for every part: with prompt_chars = 16k - 1 (ASCII), [bos] + prompt fits
@@ -242,7 +237,7 @@ def build_testbed(workdir: str, preset_cfg: dict) -> dict:
            "paths": {}, "groups": {}, "prompts": {}, "stats": {}, "seconds": {}, "preset": preset}
     for name, (pool, slice_name, temp_key, resp_key) in PARTS.items():
         prompts = prompt_sets[(pool, slice_name)]
-        settings = {"gold": tb.GOLD_NAME, "sft": sft_key, "prompts": _sha(prompts),
+        settings = {"gold": tb.GOLD_NAME, "sft": sft_key, "prompts": digest(prompts),
                     "n_prompts": len(prompts), "n_per_prompt": int(preset["responses"][resp_key]),
                     "temperature": float(preset[temp_key]),
                     "max_new_tokens": int(preset["max_new_tokens"]),

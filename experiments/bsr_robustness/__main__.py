@@ -31,7 +31,6 @@ Writes DIR/config.json, DIR/results.csv (one row per run, seed and metric), DIR/
 DIR/best_of_n.png, DIR/kendall_tau.png and DIR/dispersion.png.
 """
 import argparse
-import hashlib
 import json
 import math
 import os
@@ -41,8 +40,8 @@ import time
 if "XLA_FLAGS" not in os.environ:  # faster CPU dots (see benchmarks/train_throughput.py)
     os.environ["XLA_FLAGS"] = "--xla_cpu_experimental_ynn_fusion_type="
 
-from experiments.common import (cached, git_commit, markdown_table, write_atomic, write_csv,
-                                write_json)
+from experiments.common import (cached, digest, git_commit, markdown_table, write_atomic,
+                                write_csv, write_json)
 
 SPLITS = ("val_in", "val_prompt_ood", "val_response_ood", "val_both_ood")
 OOD_SPLITS = SPLITS[1:]
@@ -86,10 +85,6 @@ QUIET = {"train.samples": 0, "train.progress": False, "train.async_checkpoint": 
 def seeds_of(exp: dict, arm: str) -> tuple[int, ...]:
     """The seeds an arm runs with: ``exp["arm_seeds"][arm]`` if given, else ``exp["seeds"]``."""
     return tuple(int(s) for s in exp.get("arm_seeds", {}).get(arm, exp["seeds"]))
-
-
-def _sha(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def seq_len_for(groups: dict, tokenizer) -> int:
@@ -425,8 +420,8 @@ def main(argv=None) -> dict:
     tok = build_tokenizer(ml_collections.ConfigDict(testbed["sft_config"]["data"]["tokenizer"]))
     used = {k: groups[k] for k in ("train",) + SPLITS + ("bon",)}
     seq_len = seq_len_for(used, tok)
-    data_key = _sha({"train": train_rows, "val": val_rows,
-                     "score": {k: groups[k] for k in SPLITS + ("bon",)}})
+    data_key = digest({"train": train_rows, "val": val_rows,
+                       "score": {k: groups[k] for k in SPLITS + ("bon",)}}, 12)
 
     arms, seeds = tuple(exp["arms"]), tuple(int(s) for s in exp["seeds"])
     results, configs = {}, {}
@@ -435,7 +430,7 @@ def main(argv=None) -> dict:
             cfg = rm_config(exp, testbed, arm, seed, paths, seq_len, len(val_rows))
             cfg_dict = json.loads(cfg.to_json_best_effort())
             configs[f"{arm}_s{seed}"] = cfg_dict
-            run_dir = os.path.join(wd, "runs", f"{arm}_s{seed}_{_sha(cfg_dict)[:8]}")
+            run_dir = os.path.join(wd, "runs", f"{arm}_s{seed}_{digest(cfg_dict, 12)[:8]}")
             key = {"config": cfg_dict, "data": data_key}
             t1 = time.time()
             results[(arm, seed)] = cached(os.path.join(run_dir, "result.json"), key,

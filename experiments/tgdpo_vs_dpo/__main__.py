@@ -42,7 +42,6 @@ Writes DIR/config.json, DIR/pairs_train.jsonl, DIR/pairs_eval.jsonl, DIR/results
 run), DIR/results.md, DIR/win_rate_vs_kl.png and DIR/training_curves.png.
 """
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -53,8 +52,8 @@ if "XLA_FLAGS" not in os.environ:  # faster CPU dots (see benchmarks/train_throu
     os.environ["XLA_FLAGS"] = "--xla_cpu_experimental_ynn_fusion_type="
 
 from experiments import preference_testbed
-from experiments.common import (cached, git_commit, markdown_table, write_atomic, write_csv,
-                                write_json)
+from experiments.common import (FrozenPolicy, cached, digest, flatten_overrides, git_commit,
+                                markdown_table, write_atomic, write_csv, write_json)
 
 PRESETS = {
     "tiny": dict(
@@ -77,20 +76,6 @@ PRESETS = {
 }
 QUIET = {"train.samples": 0, "train.progress": False, "train.min_lr_ratio": 0.0,
          "train.weight_decay": 0.0}
-
-
-def _sha(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def _flatten(d, prefix=""):
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = tuple(v) if isinstance(v, list) else v
-    return out
 
 
 # ----------------------------------------------------------------------------- data
@@ -123,7 +108,7 @@ def make_pairs(tb, workdir):
             "n_train_groups": len(train_groups), "n_train": len(train),
             "n_tied_train": len(train_groups) - len(train), "n_eval_groups": len(eval_groups),
             "n_eval": len(val), "mean_gap": float(sum(gap) / len(gap)),
-            "digest": _sha([train, val])}
+            "digest": digest([train, val])}
 
 
 # ----------------------------------------------------------------------------- configs
@@ -135,7 +120,7 @@ def run_config(exp, tb, pairs, seed, loss_type, alpha=0.0, guidance=""):
     sft = tb["sft_config"]
     t = dict(exp["train"])
     n_eval = pairs["n_eval"] or min(pairs["n_train"], 4 * t["train.batch_size"])
-    over = {**_flatten({"model": sft["model"]}), **_flatten({"data": {"tokenizer": sft["data"]["tokenizer"]}}),
+    over = {**flatten_overrides({"model": sft["model"]}), **flatten_overrides({"data": {"tokenizer": sft["data"]["tokenizer"]}}),
             **t, **QUIET,
             "train.eval_batches": -(-n_eval // t["train.batch_size"]),
             "data.seq_len": min(int(pairs["seq_len"]), int(sft["model"]["max_seq_len"])),
@@ -160,30 +145,6 @@ def plan(exp):
 
 
 # ----------------------------------------------------------------------------- evaluation
-
-class Models:
-    """The SFT policy (reference) and the model function, loaded once."""
-
-    def __init__(self, sft_dir):
-        import jax
-
-        from icml_jax.losses import response_token_logps
-        from icml_jax.models.decoder import build_model
-        from icml_jax.sample import load_workdir
-        self.model_cfg, self.ref_params, self.tok, _ = load_workdir(sft_dir)
-        self.model = build_model(self.model_cfg)
-
-        @jax.jit
-        def token_logps(params, b):
-            logits = self.model.apply({"params": params}, b["tokens"], b["positions"],
-                                      b["segment_ids"])
-            return response_token_logps(logits, b["tokens"], b["response_mask"])
-        self.token_logps = token_logps
-
-    def params_of(self, workdir):
-        from icml_jax.train.checkpoint import restore_model_params
-        return restore_model_params(workdir, self.model_cfg)[0]
-
 
 def win_rate(a, b) -> float:
     """Pairwise gold win rate of sample set ``a`` over ``b`` (win 1, tie 0.5, loss 0)."""
@@ -278,12 +239,12 @@ def run_all(exp, tb, pairs, workdir, log=print):
     def get_models():
         nonlocal models
         if models is None:
-            models = Models(tb["sft_workdir"])
+            models = FrozenPolicy(tb["sft_workdir"])
         return models
 
     eval_key = {k: exp[k] for k in ("eval_samples", "eval_temperature", "eval_seed",
                                      "eval_batch_size")}
-    base_key = {"sft": _sha(tb["sft_config"]), "eval_ref": _sha(tb["groups"]["tgdpo_eval"]),
+    base_key = {"sft": digest(tb["sft_config"]), "eval_ref": digest(tb["groups"]["tgdpo_eval"]),
                 "pairs": pairs["digest"], "eval": eval_key, "version": 1}
     results = {}
     sft_res = cached(os.path.join(workdir, "sft_eval.json"), base_key,
@@ -309,7 +270,7 @@ def run_all(exp, tb, pairs, workdir, log=print):
 
         res = cached(os.path.join(run_dir, "result.json"), key, compute)
         if name == "guidance":
-            guidance_key = _sha(res["key"])
+            guidance_key = digest(res["key"])
         results[name] = {"arm": arm, "alpha": alpha, "seed": seed,
                          **{k: v for k, v in res.items() if k != "key"}}
         log(f"[tgdpo_vs_dpo] {name}: win vs SFT {res['win_vs_sft']:.3f}, gold "
@@ -331,7 +292,7 @@ def token_analysis(exp, tb, pairs, workdir, results):
 
     from icml_jax.data.preference import encode_pairs, read_preference_jsonl
     from icml_jax.tasks.pairs import batched_apply, flat
-    m = Models(tb["sft_workdir"])
+    m = FrozenPolicy(tb["sft_workdir"])
     arrays, _ = encode_pairs(read_preference_jsonl(pairs["paths"]["train"]), m.tok,
                              int(pairs["seq_len"]))
     rows = {k: flat(arrays[k]) for k in ("tokens", "positions", "segment_ids", "response_mask")}
@@ -652,7 +613,7 @@ def main(argv=None):
                  for name, arm, alpha, seed in plan(exp)}})
     results = run_all(exp, tb, pairs, a.workdir, log=lambda *m: print(*m, flush=True))
     ta = cached(os.path.join(a.workdir, "token_analysis.json"),
-                {"runs": {n: _sha(r.get("curve", [])) + _sha(r["groups"]) for n, r in results.items()},
+                {"runs": {n: digest(r.get("curve", [])) + digest(r["groups"]) for n, r in results.items()},
                  "pairs": pairs["digest"], "version": 1},
                 lambda: token_analysis(exp, tb, pairs, a.workdir, results))
     seconds = time.time() - t0
