@@ -436,6 +436,8 @@ def first_error_table(exp, ev, prm_scores):
         q = float(exp["beta"]) * np.asarray(q_raw, np.float64)
         tau, tuned = ip.choose_threshold(q[tune], M[tune], true[tune], grid)
         res = ip.first_error_scores(ip.predict_first_error(q[test], M[test], tau), true[test])
+        if res["acc_erroneous"] != res["acc_erroneous"] or res["acc_correct"] != res["acc_correct"]:
+            res["f1"] = float("nan")  # one subset is empty: the harmonic mean is undefined
         out[name] = {"tau": tau, "tune_f1": tuned["f1"], **res}
     out["_counts"] = {"test_erroneous": int((true[test] > 0).sum()),
                       "test_error_free": int((true[test] == 0).sum())}
@@ -461,6 +463,10 @@ def reading(exp, table, fe, prm_names):
         wmv = np.mean([table[f"{name}: weighted MV σ(β·min r_k)"][n] for n in big])
         verdict = ("shows" if mn > rnd and mn > orm else
                    "partly shows (beats random, not outcome-only)" if mn > rnd else "does not show")
+        p_ = max(mn, rnd, orm, 1.0 / (2 * int(exp["test_problems"])))
+        se = np.sqrt(2 * p_ * (1 - p_) / int(exp["test_problems"]))
+        if mn > rnd and abs(mn - max(rnd, orm if mn > orm else rnd)) < 2 * se:
+            verdict += f" nominally, but within ~2 s.e. ({2 * se:.3f}) of sampling noise"
         lines.append(f"* **{name}** at N ∈ {big} (mean): min r_k {mn:.3f} vs random {rnd:.3f}, "
                      f"outcome-only {orm:.3f}, majority vote {maj:.3f}, weighted MV {wmv:.3f}. "
                      f"The paper's direction (min-step PRM beats random and outcome-only as N grows) "
@@ -469,14 +475,28 @@ def reading(exp, table, fe, prm_names):
         best = max(prm_names, key=lambda n: np.mean([table[f"{n}: min r_k"][k] for k in big]))
         lines.append(f"* Best PRM by min r_k at N ≥ 8: **{best}** (paper: DPO best overall).")
     f1s = {n: fe[n]["f1"] for n in prm_names}
-    lines.append("* First-error F1 (held-out half): " + ", ".join(f"{n} {_fmt(v)}" for n, v in f1s.items())
-                 + ". A predictor that always says \"no error\" or always picks one fixed step scores "
-                 "F1 0 or the single-step hit rate; no PRM ever saw a step label.")
+    c = fe["_counts"]
+    if c["test_error_free"] == 0 or c["test_erroneous"] == 0:
+        lines.append(f"* First-error F1 is **undefined** here: the held-out half has "
+                     f"{c['test_erroneous']} erroneous and {c['test_error_free']} error-free "
+                     "responses, so one of the two accuracies has no data (the accuracy on the "
+                     "other subset is in the table).")
+    else:
+        lines.append("* First-error F1 (held-out half): "
+                     + ", ".join(f"{n} {_fmt(v)}" for n, v in f1s.items())
+                     + ". Always predicting \"no error\" scores F1 0; no PRM ever saw a step label.")
+    lines.append(f"* Per-sample accuracy of the generator on the held-out problems: "
+                 f"{info_acc(table):.3f} (random pick at N = 1); pass@{ns[-1]} = "
+                 f"{table['pass@n (oracle)'][ns[-1]]:.3f} bounds every selector.")
     lines.append(f"* Sampling noise: {exp['test_problems']} test problems, so one problem is "
                  f"{1 / int(exp['test_problems']):.3f} of accuracy; differences below ~2 s.e. "
                  f"(≈ {2 * 0.5 / np.sqrt(int(exp['test_problems'])):.2f} at 50% accuracy, less for "
                  "paired comparisons on the same samples) are not resolved.")
     return lines
+
+
+def info_acc(table):
+    return table["random pick"][min(table["random pick"])]
 
 
 def plot_bon(table, path):
