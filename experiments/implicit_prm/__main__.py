@@ -41,7 +41,6 @@ Writes DIR/config.json, DIR/results.csv (one row per selector and N), DIR/result
 DIR/first_error_f1.png.
 """
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -51,8 +50,8 @@ import time
 if "XLA_FLAGS" not in os.environ:  # faster CPU dots (see benchmarks/train_throughput.py)
     os.environ["XLA_FLAGS"] = "--xla_cpu_experimental_ynn_fusion_type="
 
-from experiments.common import (cached, git_commit, markdown_table, write_atomic, write_csv,
-                                write_json)
+from experiments.common import (FrozenPolicy, cached, digest, flatten_overrides, git_commit,
+                                markdown_table, write_atomic, write_csv, write_json)
 
 _QUIET = {"train.samples": 0, "train.progress": False, "train.async_checkpoint": False}
 _MODEL_TINY = {"model.d_model": 32, "model.num_layers": 2, "model.num_heads": 4,
@@ -99,20 +98,6 @@ PRESETS = {
         dpo_steps=60,
     ),
 }
-
-
-def _sha(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def _flatten(d, prefix=""):
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = tuple(v) if isinstance(v, list) else v
-    return out
 
 
 def _log(*m):
@@ -168,51 +153,27 @@ def build_generator(exp, workdir, train_problems):
         write_atomic(corpus_path, text)
     cfg = generator_config(exp, corpus_path)
     gen_dir = os.path.join(workdir, "generator")
-    key = {"config": json.loads(cfg.to_json_best_effort()), "corpus": _sha(docs)}
+    key = {"config": json.loads(cfg.to_json_best_effort()), "corpus": digest(docs)}
     res = cached(os.path.join(workdir, "generator_result.json"), key,
                  lambda: train_run(cfg, gen_dir))
     # further runs, each initialised from the previous one's params (fresh optimizer/schedule)
-    prev, prev_key = gen_dir, _sha(res["key"])
+    prev, prev_key = gen_dir, digest(res["key"])
     seconds, steps = res["train_seconds"], res["step"]
     for i, more in enumerate(exp.get("generator_continue") or []):
         cfg2 = generator_config(exp, corpus_path)
         cfg2.update_from_flattened_dict({**more, "train.init_from": prev})
         suffix = "" if i == 0 else f"_{i + 1}"
         gen2 = os.path.join(workdir, f"generator_continued{suffix}")
-        key2 = {"config": json.loads(cfg2.to_json_best_effort()), "corpus": _sha(docs),
+        key2 = {"config": json.loads(cfg2.to_json_best_effort()), "corpus": digest(docs),
                 "first": prev_key}
         res = cached(os.path.join(workdir, f"generator_continued{suffix}_result.json"), key2,
                      lambda: train_run(cfg2, gen2))
-        prev, prev_key = gen2, _sha(res["key"])
+        prev, prev_key = gen2, digest(res["key"])
         seconds, steps = seconds + res["train_seconds"], steps + res["step"]
     return prev, {**res, "train_seconds": seconds, "steps_total": steps}
 
 
 # ----------------------------------------------------------------------------- sampling
-
-class Models:
-    """The generator (reference) and a jitted per-token log-prob function, loaded once."""
-
-    def __init__(self, gen_dir):
-        import jax
-
-        from icml_jax.losses import response_token_logps
-        from icml_jax.models.decoder import build_model
-        from icml_jax.sample import load_workdir
-        self.model_cfg, self.ref_params, self.tok, _ = load_workdir(gen_dir)
-        self.model = build_model(self.model_cfg)
-
-        @jax.jit
-        def token_logps(params, b):
-            logits = self.model.apply({"params": params}, b["tokens"], b["positions"],
-                                      b["segment_ids"])
-            return response_token_logps(logits, b["tokens"], b["response_mask"])
-        self.token_logps = token_logps
-
-    def params_of(self, workdir):
-        from icml_jax.train.checkpoint import restore_model_params
-        return restore_model_params(workdir, self.model_cfg)[0]
-
 
 def sample(models, prompts, n, exp, seed):
     """n responses per prompt at the preset temperature (eos stripped), in prompt order.
@@ -302,8 +263,8 @@ def prm_config(exp, name, path, gen_dir, gen_cfg, seq_len, n_rows):
         t["train.eval_every"] = int(exp["dpo_steps"])
         t["train.checkpoint_every"] = int(exp["dpo_steps"])
     bs = int(t["train.batch_size"])
-    over = {**_flatten({"model": gen_cfg["model"]}),
-            **_flatten({"data": {"tokenizer": gen_cfg["data"]["tokenizer"]}}), **t, **_QUIET,
+    over = {**flatten_overrides({"model": gen_cfg["model"]}),
+            **flatten_overrides({"data": {"tokenizer": gen_cfg["data"]["tokenizer"]}}), **t, **_QUIET,
             "train.min_lr_ratio": 0.0, "train.weight_decay": 0.0,
             "train.eval_batches": max(1, min(int(t["train.eval_batches"]), -(-n_rows // bs))),
             "data.seq_len": int(seq_len), "data.path": path, "data.eval_path": "",
@@ -632,13 +593,13 @@ def run(exp, workdir, timing):
     train, test = problems(exp)
     gen_dir, gen = build_generator(exp, workdir, train)
     timing["generator"] = time.time() - t
-    gen_key = _sha(gen["key"])
+    gen_key = digest(gen["key"])
     models = None
 
     def get_models():
         nonlocal models
         if models is None:
-            models = Models(gen_dir)
+            models = FrozenPolicy(gen_dir)
         return models
 
     prm_problems = train[: int(exp["prm_problems"])]
@@ -647,7 +608,7 @@ def run(exp, workdir, timing):
                 "batch": exp["sample_batch"], "version": 1}
     t = time.time()
     tr = cached(os.path.join(workdir, "samples_train.json"),
-                {**samp_key, "prompts": _sha(prompts), "n": exp["responses"]},
+                {**samp_key, "prompts": digest(prompts), "n": exp["responses"]},
                 lambda: {"groups": sample(get_models(), prompts, int(exp["responses"]), exp,
                                           int(exp["seed"]) * 1000 + 1)})
     labels = label_train(prm_problems, tr["groups"])
@@ -676,20 +637,20 @@ def run(exp, workdir, timing):
         prm_dirs[name] = os.path.join(workdir, f"prm_{f}")
         res = cached(os.path.join(workdir, f"prm_{f}_result.json"),
                      {"config": prm_cfgs[name], "gen": gen_key,
-                      "data": _sha(open(paths[f]).read())},
+                      "data": digest(open(paths[f]).read())},
                      lambda: train_run(cfg, prm_dirs[name]))
         last = res["curve"][-1] if res["curve"] else {}
         acc_key = "rewards/accuracies" if name == "DPO" else "accuracy"
         prm_info[name] = {"rows": n_rows, "loss": last.get("loss"), "acc": last.get(acc_key),
                           "eval_loss": res["eval"].get("eval_loss"), "seconds": res["train_seconds"],
-                          "digest": _sha(res["key"])}
+                          "digest": digest(res["key"])}
         _log(f"{name}: {n_rows} rows, final loss {last.get('loss')}, {res['train_seconds']:.0f} s")
     timing["prm_train"] = time.time() - t
 
     t = time.time()
     eval_prompts = [ar.prompt_text(p) for p in test]
     es = cached(os.path.join(workdir, "samples_eval.json"),
-                {**samp_key, "prompts": _sha(eval_prompts), "n": exp["eval_samples"]},
+                {**samp_key, "prompts": digest(eval_prompts), "n": exp["eval_samples"]},
                 lambda: {"groups": sample(get_models(), eval_prompts, int(exp["eval_samples"]),
                                           exp, int(exp["seed"]) * 1000 + 2)})
     ev = label_eval(test, es["groups"])
@@ -698,7 +659,7 @@ def run(exp, workdir, timing):
     t = time.time()
     flat_p = [p for p, g in zip(eval_prompts, es["groups"]) for _ in g]
     flat_r = [r for g in es["groups"] for r in g]
-    score_key = {"samples": _sha(es["groups"]), "seq_len": seq_len, "version": 1,
+    score_key = {"samples": digest(es["groups"]), "seq_len": seq_len, "version": 1,
                  "prms": {n: prm_info[n]["digest"] for n in prm_names}}
 
     def compute_scores():
