@@ -121,3 +121,26 @@ class FrozenPolicy:
     def params_of(self, workdir: str):
         from icml_jax.train.checkpoint import restore_model_params
         return restore_model_params(workdir, self.model_cfg)[0]
+
+
+def train_run(cfg, workdir: str):
+    """Trains (or resumes) ``cfg`` in ``workdir`` with ``train_and_evaluate``; a workdir trained
+    with another config is wiped first (its state must not be resumed into this run). Returns
+    (summary, the metrics.jsonl rows of train steps, seconds spent)."""
+    import shutil
+    import time
+
+    from icml_jax.train.metrics import read_metrics
+    from icml_jax.train.trainer import train_and_evaluate
+    key_path = os.path.join(workdir, "train_key.json")
+    cfg_dict = json.loads(cfg.to_json_best_effort())
+    if os.path.exists(key_path):
+        with open(key_path) as f:
+            if json.load(f) != cfg_dict:
+                shutil.rmtree(workdir)
+    os.makedirs(workdir, exist_ok=True)
+    write_json(key_path, cfg_dict)
+    t0 = time.time()
+    summary = train_and_evaluate(cfg, workdir)
+    rows = [r for r in read_metrics(os.path.join(workdir, "metrics.jsonl")) if "loss" in r]
+    return summary, rows, time.time() - t0

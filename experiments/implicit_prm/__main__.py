@@ -43,13 +43,13 @@ DIR/first_error_f1.png.
 import argparse
 import json
 import os
-import shutil
 import sys
 import time
 
 if "XLA_FLAGS" not in os.environ:  # faster CPU dots (see benchmarks/train_throughput.py)
     os.environ["XLA_FLAGS"] = "--xla_cpu_experimental_ynn_fusion_type="
 
+from experiments.common import train_run as common_train_run
 from experiments.common import (FrozenPolicy, cached, digest, flatten_overrides, git_commit,
                                 markdown_table, write_atomic, write_csv, write_json)
 
@@ -124,24 +124,11 @@ def generator_config(exp, corpus_path):
 
 
 def train_run(cfg, workdir):
-    """Trains (or resumes) one run; a changed config wipes the folder first. Returns a digest."""
-    from icml_jax.train.metrics import read_metrics
-    from icml_jax.train.trainer import train_and_evaluate
-    key_path = os.path.join(workdir, "train_key.json")
-    cfg_dict = json.loads(cfg.to_json_best_effort())
-    if os.path.exists(key_path):
-        with open(key_path) as f:
-            if json.load(f) != cfg_dict:
-                shutil.rmtree(workdir)
-    os.makedirs(workdir, exist_ok=True)
-    write_json(key_path, cfg_dict)
-    t0 = time.time()
-    summary = train_and_evaluate(cfg, workdir)
-    rows = read_metrics(os.path.join(workdir, "metrics.jsonl"))
-    curve = [{k: r[k] for k in r if isinstance(r[k], (int, float))} for r in rows if "loss" in r]
+    """Trains (or resumes) one run (``experiments.common.train_run``); returns a digest."""
+    summary, rows, seconds = common_train_run(cfg, workdir)
+    curve = [{k: r[k] for k in r if isinstance(r[k], (int, float))} for r in rows]
     ev = {k: float(v) for k, v in summary.items() if k.startswith("eval_")}
-    return {"curve": curve, "eval": ev, "step": int(summary["step"]),
-            "train_seconds": time.time() - t0}
+    return {"curve": curve, "eval": ev, "step": int(summary["step"]), "train_seconds": seconds}
 
 
 def build_generator(exp, workdir, train_problems):

@@ -44,7 +44,6 @@ run), DIR/results.md, DIR/win_rate_vs_kl.png and DIR/training_curves.png.
 import argparse
 import json
 import os
-import shutil
 import sys
 import time
 
@@ -52,6 +51,7 @@ if "XLA_FLAGS" not in os.environ:  # faster CPU dots (see benchmarks/train_throu
     os.environ["XLA_FLAGS"] = "--xla_cpu_experimental_ynn_fusion_type="
 
 from experiments import preference_testbed
+from experiments.common import train_run as common_train_run
 from experiments.common import (FrozenPolicy, cached, digest, flatten_overrides, git_commit,
                                 markdown_table, write_atomic, write_csv, write_json)
 
@@ -209,27 +209,15 @@ CURVE_KEYS = ("loss", "rewards/margins", "rewards/accuracies", "rewards/chosen",
 
 
 def train_run(cfg, workdir):
-    """Trains (or resumes) one run; its training curve and final train/eval metrics."""
-    from icml_jax.train.metrics import read_metrics
-    from icml_jax.train.trainer import train_and_evaluate
-    key_path = os.path.join(workdir, "train_key.json")
-    cfg_dict = json.loads(cfg.to_json_best_effort())
-    if os.path.exists(key_path):
-        with open(key_path) as f:
-            if json.load(f) != cfg_dict:  # another config trained here: do not resume its state
-                shutil.rmtree(workdir)
-    os.makedirs(workdir, exist_ok=True)
-    write_json(key_path, cfg_dict)
-    t0 = time.time()
-    summary = train_and_evaluate(cfg, workdir)
-    rows = read_metrics(os.path.join(workdir, "metrics.jsonl"))
-    curve = [{"step": r["step"], **{k: r[k] for k in CURVE_KEYS if k in r}}
-             for r in rows if "loss" in r]
+    """Trains (or resumes) one run (``experiments.common.train_run``); its training curve and
+    final train/eval metrics."""
+    summary, rows, seconds = common_train_run(cfg, workdir)
+    curve = [{"step": r["step"], **{k: r[k] for k in CURVE_KEYS if k in r}} for r in rows]
     ev = {k: float(v) for k, v in summary.items() if k.startswith("eval_")}
     tail = curve[-max(1, len(curve) // 5):]
     final = {k: float(sum(c[k] for c in tail) / len(tail)) for k in CURVE_KEYS if k in tail[0]}
     return {"curve": curve, "final_train": final, "eval_pairs": ev, "step": int(summary["step"]),
-            "train_seconds": time.time() - t0}
+            "train_seconds": seconds}
 
 
 def run_all(exp, tb, pairs, workdir, log=print):
