@@ -144,3 +144,16 @@ def train_run(cfg, workdir: str):
     summary = train_and_evaluate(cfg, workdir)
     rows = [r for r in read_metrics(os.path.join(workdir, "metrics.jsonl")) if "loss" in r]
     return summary, rows, time.time() - t0
+
+
+def save_figure(fig, path: str, dpi: int = 110) -> None:
+    """Saves a matplotlib figure atomically (temp file + rename) and closes it."""
+    import matplotlib.pyplot as plt
+    tmp = path + f".{os.getpid()}.tmp.png"
+    try:
+        fig.savefig(tmp, dpi=dpi)
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        if os.path.exists(tmp):
+            os.remove(tmp)

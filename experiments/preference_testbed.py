@@ -58,7 +58,7 @@ import sys
 import time
 import zlib
 
-from experiments.common import cached, digest, write_json
+from experiments.common import cached, digest, flatten_overrides, write_json
 
 # Parts: name -> (prompt pool, slice of the pool, temperature key, responses key). Parts sharing
 # (pool, slice) share their prompts.
@@ -167,21 +167,11 @@ def _check_sft_unchanged(result_path: str, cfg_dict: dict, sft_dir: str) -> None
     with open(result_path) as f:
         old = json.load(f).get("key")
     if old != cfg_dict and os.path.isdir(sft_dir):
-        changed = sorted(k for k in set(_flat(old or {})) | set(_flat(cfg_dict))
-                         if _flat(old or {}).get(k) != _flat(cfg_dict).get(k))
+        changed = sorted(k for k in set(flatten_overrides(old or {})) | set(flatten_overrides(cfg_dict))
+                         if flatten_overrides(old or {}).get(k) != flatten_overrides(cfg_dict).get(k))
         raise ValueError(f"{sft_dir} holds an SFT run of another config (changed: {changed[:8]}); "
                          "build into a new workdir, or delete that folder and "
                          f"{result_path} to retrain")
-
-
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 class _Policy:

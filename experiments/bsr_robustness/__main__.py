@@ -40,7 +40,7 @@ import time
 if "XLA_FLAGS" not in os.environ:  # faster CPU dots (see benchmarks/train_throughput.py)
     os.environ["XLA_FLAGS"] = "--xla_cpu_experimental_ynn_fusion_type="
 
-from experiments.common import (cached, digest, git_commit, markdown_table, write_atomic,
+from experiments.common import (cached, digest, save_figure, git_commit, markdown_table, write_atomic,
                                 write_csv, write_json)
 
 SPLITS = ("val_in", "val_prompt_ood", "val_response_ood", "val_both_ood")
@@ -330,9 +330,7 @@ def write_plots(wd, exp, arms, curves, refs, agg, results):
     ax.set_title("Best-of-N on held-out prompts (gold = VADER)")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(os.path.join(wd, "best_of_n.png.tmp.png"), dpi=120)
-    os.replace(os.path.join(wd, "best_of_n.png.tmp.png"), os.path.join(wd, "best_of_n.png"))
-    plt.close(fig)
+    save_figure(fig, os.path.join(wd, "best_of_n.png"), dpi=120)
 
     fig, ax = plt.subplots(figsize=(6, 3.6))
     w = 0.8 / len(arms)
@@ -346,9 +344,7 @@ def write_plots(wd, exp, arms, curves, refs, agg, results):
     ax.set_ylabel("mean per-prompt Kendall τ vs gold")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(os.path.join(wd, "kendall_tau.png.tmp.png"), dpi=120)
-    os.replace(os.path.join(wd, "kendall_tau.png.tmp.png"), os.path.join(wd, "kendall_tau.png"))
-    plt.close(fig)
+    save_figure(fig, os.path.join(wd, "kendall_tau.png"), dpi=120)
 
     fig, axes = plt.subplots(1, 2, figsize=(8, 3.4))
     for a in arms:
@@ -362,9 +358,7 @@ def write_plots(wd, exp, arms, curves, refs, agg, results):
     axes[0].legend(fontsize=6)
     axes[0].set_title("first seed of each run", fontsize=8)
     fig.tight_layout()
-    fig.savefig(os.path.join(wd, "dispersion.png.tmp.png"), dpi=120)
-    os.replace(os.path.join(wd, "dispersion.png.tmp.png"), os.path.join(wd, "dispersion.png"))
-    plt.close(fig)
+    save_figure(fig, os.path.join(wd, "dispersion.png"), dpi=120)
 
 
 def main(argv=None) -> dict:

@@ -50,7 +50,7 @@ if "XLA_FLAGS" not in os.environ:  # faster CPU dots (see benchmarks/train_throu
     os.environ["XLA_FLAGS"] = "--xla_cpu_experimental_ynn_fusion_type="
 
 from experiments.common import train_run as common_train_run
-from experiments.common import (FrozenPolicy, cached, digest, flatten_overrides, git_commit,
+from experiments.common import (FrozenPolicy, save_figure, cached, digest, flatten_overrides, git_commit,
                                 markdown_table, write_atomic, write_csv, write_json)
 
 _QUIET = {"train.samples": 0, "train.progress": False, "train.async_checkpoint": False}
@@ -473,9 +473,7 @@ def plot_bon(table, path):
     ax.set_title("Best-of-N on held-out problems")
     ax.legend(fontsize=6.5, loc="best")
     fig.tight_layout()
-    fig.savefig(path + ".tmp.png", dpi=110)
-    plt.close(fig)
-    os.replace(path + ".tmp.png", path)
+    save_figure(fig, path, dpi=110)
 
 
 def plot_f1(fe, prm_names, ce_ms, path):
@@ -500,9 +498,7 @@ def plot_f1(fe, prm_names, ce_ms, path):
     axes[1].legend(fontsize=7)
     axes[1].set_title("CE PRM vs responses per problem")
     fig.tight_layout()
-    fig.savefig(path + ".tmp.png", dpi=110)
-    plt.close(fig)
-    os.replace(path + ".tmp.png", path)
+    save_figure(fig, path, dpi=110)
 
 
 CSV_FIELDS = ("kind", "selector", "n", "value")

@@ -52,7 +52,7 @@ if "XLA_FLAGS" not in os.environ:  # faster CPU dots (see benchmarks/train_throu
 
 from experiments import preference_testbed
 from experiments.common import train_run as common_train_run
-from experiments.common import (FrozenPolicy, cached, digest, flatten_overrides, git_commit,
+from experiments.common import (FrozenPolicy, save_figure, cached, digest, flatten_overrides, git_commit,
                                 markdown_table, write_atomic, write_csv, write_json)
 
 PRESETS = {
@@ -481,9 +481,7 @@ def plot_win_vs_kl(results, path):
     ax.set_title("TGDPO vs DPO (held-out prompts; bars: ±1 s.e.)")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path + ".tmp.png", dpi=120)
-    plt.close(fig)
-    os.replace(path + ".tmp.png", path)
+    save_figure(fig, path, dpi=120)
 
 
 def plot_curves(results, path):
@@ -506,9 +504,7 @@ def plot_curves(results, path):
         ax.set_title(f"train {k}")
     axes[0].legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path + ".tmp.png", dpi=110)
-    plt.close(fig)
-    os.replace(path + ".tmp.png", path)
+    save_figure(fig, path, dpi=110)
 
 
 # ----------------------------------------------------------------------------- driver
