@@ -1,7 +1,13 @@
 """Entry point: ``python -m icml_jax.main --config=configs/lm.py:PRESET --workdir=DIR [--config.a.b=v]``.
 
 Rerunning the same command in the same workdir resumes from the latest checkpoint.
+
+Several processes (hosts) run the same command, each with its own ``--process_id`` (or none on a
+Cloud TPU pod, where it is detected); see ``icml_jax.train.distributed`` and the README's
+"Multi-host" section. ``--workdir`` must then be one folder every process can write (a shared
+file system).
 """
+import os
 import sys
 
 from absl import app, flags, logging
@@ -11,21 +17,73 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. con
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and plots.")
 flags.mark_flags_as_required(["config", "workdir"])
+_DISTRIBUTED = flags.DEFINE_enum(
+    "distributed", "auto", ["auto", "on", "off"],
+    "Start jax.distributed: auto = when a coordinator address is given (flag or "
+    "JAX_COORDINATOR_ADDRESS) or a Cloud TPU pod is detected; on = always (JAX auto-detects "
+    "TPU, SLURM, Open MPI settings left unset); off = never.")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None,
+                                   "HOST:PORT of process 0's coordinator (env JAX_COORDINATOR_ADDRESS).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None,
+                                      "Number of processes in the run (env JAX_NUM_PROCESSES).")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None,
+                                   "This process's index, 0 .. num_processes-1 (env JAX_PROCESS_ID).")
+_LOCAL_DEVICES = flags.DEFINE_list("local_device_ids", None,
+                                   "Local device ids this process uses (env JAX_LOCAL_DEVICE_IDS), "
+                                   "e.g. 0 for one GPU per process.")
+_INIT_TIMEOUT = flags.DEFINE_integer("initialization_timeout", 300,
+                                     "Seconds to wait for all processes to join.")
+_HEARTBEAT = flags.DEFINE_integer("heartbeat_timeout", 100,
+                                  "Seconds without heartbeats after which a process counts as dead "
+                                  "and the others stop.")
 
 
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     logging.set_verbosity(logging.WARNING)
-    from icml_jax.train import checkpoint as ckpt_lib
-    from icml_jax.train import trainer
+    from icml_jax.train import distributed
 
+    try:
+        multi = distributed.initialize(distributed.Settings(
+            mode=_DISTRIBUTED.value, coordinator_address=_COORDINATOR.value,
+            num_processes=_NUM_PROCESSES.value, process_id=_PROCESS_ID.value,
+            local_device_ids=(tuple(int(i) for i in _LOCAL_DEVICES.value)
+                              if _LOCAL_DEVICES.value else None),
+            initialization_timeout=_INIT_TIMEOUT.value, heartbeat_timeout=_HEARTBEAT.value))
+    except (distributed.DistributedSetupError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
+
+    import jax  # after jax.distributed.initialize  # pylint: disable=g-import-not-at-top
+
+    from icml_jax.train import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
+    from icml_jax.train import trainer  # pylint: disable=g-import-not-at-top
+
+    where = f"process {jax.process_index()} of {jax.process_count()}: " if multi else ""
     try:
         trainer.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
     except (ValueError, FileNotFoundError, ckpt_lib.CheckpointError,
             trainer.NonFiniteLossError) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(1)
+        print(f"error: {where}{e}", file=sys.stderr, flush=True)
+        _exit(1, multi)
+    except jax.errors.JaxRuntimeError as e:
+        if not multi:
+            raise
+        print(f"error: {where}a computation across processes failed, most likely because another "
+              f"process died or was stopped (see its log): {str(e)[:500]}", file=sys.stderr,
+              flush=True)
+        _exit(1, multi)
+
+
+def _exit(code: int, multi: bool):
+    """Exits; in a multi-process run without the shutdown barrier, which would wait (up to
+    jax.distributed's shutdown timeout) for peers that may be dead or stuck."""
+    if multi:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # pylint: disable=protected-access
+    sys.exit(code)
 
 
 def run():

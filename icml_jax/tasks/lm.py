@@ -65,12 +65,18 @@ class LMTask:
             lsum, metrics["z_loss"] = with_z_loss(lsum, logits, w, z)
         return lsum, n, metrics
 
-    def train_iterator(self, seed: int):
+    def train_iterator(self, seed: int, shard=None):
+        """``shard`` = (index, count): feed rows [index*B/count, (index+1)*B/count) of every
+        global batch (``distributed.process_rows``); None: by jax.process_index()/count()."""
         c = self.config
+        index, count = shard if shard is not None else (None, None)
         return data_lib.make_train_iterator(c.data, self.tokenizer, seq_len=c.data.seq_len,
-                                            global_batch_size=c.train.batch_size, seed=seed)
+                                            global_batch_size=c.train.batch_size, seed=seed,
+                                            process_index=index, process_count=count)
 
-    def eval_batches(self, split: str = "validation"):
+    def eval_batches(self, split: str = "validation", shard=None):
         c = self.config
+        index, count = shard if shard is not None else (None, None)
         return data_lib.make_eval_batches(c.data, self.tokenizer, split=split, seq_len=c.data.seq_len,
-                                          batch_size=c.train.batch_size, max_batches=c.train.eval_batches)
+                                          batch_size=c.train.batch_size, max_batches=c.train.eval_batches,
+                                          process_index=index, process_count=count)

@@ -107,12 +107,17 @@ class PairTask:
             arrays[key] = lp.reshape(arrays["tokens"].shape)
         self.cached.append(key)
 
-    def train_iterator(self, seed: int):
-        return pref_data.pair_train_iterator(self.train_arrays, self.config.train.batch_size, seed)
+    def train_iterator(self, seed: int, shard=None):
+        """``shard`` = (index, count) as in ``LMTask.train_iterator``."""
+        index, count = shard if shard is not None else (None, None)
+        return pref_data.pair_train_iterator(self.train_arrays, self.config.train.batch_size, seed,
+                                             process_index=index, process_count=count)
 
-    def eval_batches(self, split: str = "validation"):
+    def eval_batches(self, split: str = "validation", shard=None):
         t = self.config.train
-        return pref_data.eval_batches(self.eval_arrays, t.batch_size, max_batches=t.eval_batches)
+        index, count = shard if shard is not None else (None, None)
+        return pref_data.eval_batches(self.eval_arrays, t.batch_size, max_batches=t.eval_batches,
+                                      process_index=index, process_count=count)
 
 
 def batched_apply(fn, arrays: dict, batch_size: int) -> np.ndarray:

@@ -1,16 +1,28 @@
 """orbax CheckpointManager holding train state + data-iterator state + config, with safe restore.
 
-Layout: ``WORKDIR/checkpoints/<step>/{state,data,config}``. orbax writes each step into a temporary
-directory and renames it on commit, so a run killed mid-save leaves no half-written step behind.
-A step that fails to restore (corrupted files) is moved aside to ``corrupt_<step>_<time>`` (never
-deleted) and the previous step is tried, with a warning.
+Layout: ``WORKDIR/checkpoints/<step>/{state,data_state,config}``. orbax writes each step into a
+temporary directory and renames it on commit, so a run killed mid-save leaves no half-written step
+behind. A step that fails to restore (corrupted files) is moved aside to ``corrupt_<step>_<time>``
+(never deleted) and the previous step is tried, with a warning; in a multi-process run it is left
+where it is and the run stops with an error instead (the processes cannot agree on a fallback).
+
+Multi-process runs: every process writes the shards of the train state it holds and process 0
+commits the step (orbax). The data iterator's position (``data_state``, JSON) is the same on every
+process, because every process walks the same global batches and keeps its own rows of them; it
+is checked to agree across processes and written once, so a checkpoint restores under any process
+count, device count or mesh shape (the state is restored straight into the new shardings).
+Checkpoints of earlier versions kept the iterator as grain's per-process files (``data``); they
+still restore when the process count is the one that wrote them.
 """
+import json
 import os
 import sys
 import time
+import zlib
 
 import grain
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
@@ -27,13 +39,14 @@ class Checkpointer:
         self.manager = ocp.CheckpointManager(
             self.directory, options=options,
             item_handlers={"state": ocp.StandardCheckpointHandler(),
-                           "data": grain.checkpoint.CheckpointHandler(),
+                           "data_state": ocp.JsonCheckpointHandler(),
+                           "data": grain.checkpoint.CheckpointHandler(),  # earlier checkpoints
                            "config": ocp.JsonCheckpointHandler()})
 
     def save(self, step: int, state, data_iter, config_dict: dict) -> None:
         args = {"state": ocp.args.StandardSave(state), "config": ocp.args.JsonSave(config_dict)}
         if data_iter is not None:
-            args["data"] = grain.checkpoint.CheckpointSave(data_iter)
+            args["data_state"] = ocp.args.JsonSave(_data_state(data_iter))
         self.manager.save(step, args=ocp.args.Composite(**args), force=True)
 
     def all_steps(self):
@@ -44,15 +57,27 @@ class Checkpointer:
         shardings) and ``data_iter``; returns (state, step), or (None, 0) without checkpoints."""
         steps = self.all_steps()
         for step in reversed(steps):
+            path = os.path.join(self.directory, str(step))
             try:
                 args = {"state": ocp.args.StandardRestore(abstract_state)}
+                json_data = os.path.isdir(os.path.join(path, "data_state"))
                 if data_iter is not None:
-                    args["data"] = grain.checkpoint.CheckpointRestore(data_iter)
+                    args["data_state" if json_data else "data"] = (
+                        ocp.args.JsonRestore() if json_data
+                        else grain.checkpoint.CheckpointRestore(data_iter))
                 restored = self.manager.restore(step, args=ocp.args.Composite(**args))
+                if data_iter is not None and json_data:
+                    data_iter.set_state(restored["data_state"]["iterator"])
                 return restored["state"], step
             except Exception as e:  # noqa: BLE001 - any read/parse failure means a bad checkpoint
-                path = os.path.join(self.directory, str(step))
-                if jax.process_index() == 0 and os.path.isdir(path):
+                if jax.process_count() > 1:
+                    raise CheckpointError(
+                        f"process {jax.process_index()}: checkpoint {path} could not be restored "
+                        f"({type(e).__name__}: {str(e)[:300]}). Nothing was moved or deleted; "
+                        "resume this workdir in a single process (it then moves the bad step "
+                        "aside and falls back to the previous one), or start a new --workdir"
+                    ) from e
+                if os.path.isdir(path):
                     aside = os.path.join(self.directory, f"corrupt_{step}_{int(time.time())}")
                     os.rename(path, aside)
                     logging.warning("checkpoint %s could not be restored (%s: %s); moved it to %s "
@@ -67,11 +92,28 @@ class Checkpointer:
         return None, 0
 
     def wait(self):
+        """Blocks until an asynchronous save has been committed."""
         self.manager.wait_until_finished()
 
     def close(self):
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def _data_state(data_iter) -> dict:
+    """The iterator position as JSON; in a multi-process run, checked to be the same everywhere
+    (it is the global position; a mismatch means the processes read different data)."""
+    state = data_iter.get_state()
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+        crc = zlib.crc32(json.dumps(state, sort_keys=True).encode()) & 0x7FFFFFFF
+        crcs = multihost_utils.process_allgather(np.asarray(crc, np.int32))
+        if len(set(np.asarray(crcs).ravel().tolist())) > 1:
+            raise CheckpointError(
+                "the data iterators of the processes are at different positions (state checksums "
+                f"{np.asarray(crcs).ravel().tolist()}), so the checkpoint was not written; every "
+                "process must run the same config (same data, batch size and seed)")
+    return {"iterator": state}
 
 
 def restore_params(workdir: str, abstract_params):

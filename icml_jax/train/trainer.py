@@ -22,6 +22,7 @@ from icml_jax import tasks
 from icml_jax.analysis.flops import train_flops_per_token
 from icml_jax.models.positions import frozen_param_mask
 from icml_jax.train import checkpoint as ckpt_lib
+from icml_jax.train import distributed
 from icml_jax.train import mesh as mesh_lib
 from icml_jax.train.metrics import MetricsWriter, plot_loss_curve
 from icml_jax.train.optimizer import lr_schedule, make_optimizer
@@ -134,8 +135,8 @@ def evaluate(eval_step, params, batches, to_global, perplexity: bool = True) -> 
     return out
 
 
-def create_sharded_state(task, tx, config, mesh, rules):
-    """eval_shape(init) -> logical specs -> NamedShardings -> jit(init, out_shardings)."""
+def _state_init(task, tx, config, mesh, rules):
+    """(init_rng, boxed init fn, NamedShardings of the TrainState) for ``mesh``."""
     c = config
     dummy = task.dummy_batch(1, c.data.seq_len)
     init_rng, state_rng = jax.random.split(jax.random.key(c.seed))
@@ -148,9 +149,26 @@ def create_sharded_state(task, tx, config, mesh, rules):
     with mesh, nn.logical_axis_rules(rules):
         abstract = jax.eval_shape(init_boxed, init_rng)
         shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, rules)
+    return init_rng, init_boxed, shardings
+
+
+def create_sharded_state(task, tx, config, mesh, rules):
+    """eval_shape(init) -> logical specs -> NamedShardings -> jit(init, out_shardings)."""
+    init_rng, init_boxed, shardings = _state_init(task, tx, config, mesh, rules)
+    with mesh, nn.logical_axis_rules(rules):
         init = jax.jit(lambda r: nn.meta.unbox(init_boxed(r)), out_shardings=shardings)
         state = init(init_rng)
     return state, shardings
+
+
+def abstract_state(task, tx, config, mesh, rules):
+    """The TrainState as ShapeDtypeStructs carrying their shardings on ``mesh`` (a restore
+    target: orbax reads a checkpoint straight into this layout)."""
+    init_rng, init_boxed, shardings = _state_init(task, tx, config, mesh, rules)
+    with mesh, nn.logical_axis_rules(rules):
+        shapes = jax.eval_shape(lambda r: nn.meta.unbox(init_boxed(r)), init_rng)
+    return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                        shapes, shardings)
 
 
 def _config_dict(config) -> dict:
@@ -174,7 +192,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
     state, state_shardings = create_sharded_state(task, tx, config, mesh, rules)
     n_params = sum(x.size for x in jax.tree.leaves(state.params))
-    data_iter = task.train_iterator(seed=config.seed)
+    batch_sharding = mesh_lib.batch_sharding(mesh)
+    # this process feeds its rows of every global batch: those its devices hold
+    shard = distributed.process_rows(batch_sharding, t.batch_size)
+    data_iter = task.train_iterator(seed=config.seed, shard=shard)
     ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=t.keep_checkpoints,
                                  async_save=t.async_checkpoint)
     abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state,
@@ -188,20 +209,21 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         state = state.replace(params=_init_from(task, t.init_from, state.params,
                                                 state_shardings.params))
         log(f"Initialised the params from {t.init_from}")
+    procs = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
     log(f"Model: {n_params:,} params | mesh data={shape[0]} fsdp={shape[1]} tensor={shape[2]} "
-        f"| {jax.device_count()} {jax.devices()[0].platform} device(s) | workdir {os.path.abspath(workdir)}")
-
-    batch_sharding = mesh_lib.batch_sharding(mesh)
+        f"| {jax.device_count()} {jax.devices()[0].platform} device(s){procs} "
+        f"| workdir {os.path.abspath(workdir)}")
 
     def to_global(b):
-        return jax.tree.map(lambda x: jax.make_array_from_process_local_data(batch_sharding, x), b)
+        return jax.tree.map(lambda x: jax.make_array_from_process_local_data(
+            batch_sharding, x, (t.batch_size,) + x.shape[1:]), b)
 
     with mesh, nn.logical_axis_rules(rules):
         train_step = jax.jit(make_train_step(task, tx, t.grad_accum, lr_schedule(t)),
                              in_shardings=(state_shardings, batch_sharding),
                              out_shardings=(state_shardings, None), donate_argnums=0)
         eval_step = jax.jit(make_eval_step(task), in_shardings=(state_shardings.params, batch_sharding))
-    eval_batches = task.eval_batches("validation")
+    eval_batches = task.eval_batches("validation", shard=shard)
     writer = MetricsWriter(workdir, start, enabled=is_main)
     # A task whose loss is a mean over examples (pairs) says how many tokens one example trains
     # on; the LM's loss unit is the token itself.
@@ -269,15 +291,49 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     if start >= t.steps and restored is not None:  # already finished: report the eval again
         summary.update(evaluate(eval_step, state.params, eval_batches, to_global, perplexity))
     summary["step"] = int(jax.device_get(state.step))
+    sample = t.samples > 0 and getattr(task, "can_sample", True)
+    # every process takes part in gathering the params; process 0 alone then samples
+    host_params = _gather_to_host(state.params) if sample else None
     if is_main:
         plot_loss_curve(writer.path, os.path.join(workdir, "loss_curve.png"))
-        if t.samples > 0 and getattr(task, "can_sample", True):
-            summary["samples"] = _print_samples(task, state.params, config, log)
+        if sample:
+            summary["samples"] = _print_samples(task, host_params, config, log)
         with open(os.path.join(workdir, "summary.json.tmp"), "w") as f:
             json.dump({k: v for k, v in summary.items()}, f, indent=2)
         os.replace(os.path.join(workdir, "summary.json.tmp"), os.path.join(workdir, "summary.json"))
     summary["state"] = state
     return summary
+
+
+def _gather_to_host(tree):
+    """numpy copies of (possibly cross-process sharded) arrays on every process."""
+    if jax.process_count() == 1:
+        return jax.device_get(tree)
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    return multihost_utils.process_allgather(tree, tiled=True)
+
+
+def load_state(config: ml_collections.ConfigDict, workdir: str, devices=None):
+    """The newest checkpoint of ``workdir`` as a ``TrainState`` sharded for ``config.mesh`` over
+    ``devices`` (default: all), whatever device count, mesh or process count wrote it -> (state,
+    step). E.g. params trained on a 64-chip pod, inspected on 1 GPU with ``config.mesh`` all 1."""
+    validate_config(config, len(jax.devices() if devices is None else devices))
+    task = tasks.TASKS.get(config.task)(config)
+    mesh = mesh_lib.make_mesh(config.mesh, devices)
+    rules = mesh_lib.logical_rules(config.mesh)
+    tx = make_optimizer(config.train, frozen_mask=functools.partial(frozen_param_mask, config.model),
+                        model_cfg=config.model)
+    abstract = abstract_state(task, tx, config, mesh, rules)
+    if not os.path.isdir(os.path.join(workdir, "checkpoints")):
+        raise ckpt_lib.CheckpointError(f"{workdir}: no checkpoints/ folder to load")
+    ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=10**9, async_save=False)
+    try:
+        state, step = ckpt.restore_latest(abstract, None)
+    finally:
+        ckpt.close()
+    if state is None:
+        raise ckpt_lib.CheckpointError(f"{workdir}: no checkpoint to load")
+    return state, step
 
 
 def _init_from(task, workdir: str, params, shardings):

@@ -1,0 +1,320 @@
+"""Multi-process training on one machine: 2 CPU processes x 4 fake devices = one 8-device mesh.
+
+The processes talk over 127.0.0.1 only (coordinator + gloo collectives). Checked: the 2-process
+run's losses equal a 1-process 8-device run's; its checkpoint resumes exactly in 1 process on
+1 device; a checkpoint restores onto other device counts and mesh shapes with the same params;
+a process that dies makes the other stop with an error; no socket leaves the loopback interface.
+"""
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from icml_jax.config_utils import REPO_ROOT
+from icml_jax.train import distributed
+from tests.train.helpers import env, main_cmd, run_main, train_losses
+
+SPLIT_MESH = ["--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2"]
+SHORT = ["--config.train.checkpoint_every=3", "--config.train.eval_every=3",
+         "--config.train.progress=False", "--config.train.samples=0"]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("tfds"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(workdir, *overrides, data_dir, n=2, devices=4, heartbeat=10):
+    """Starts ``n`` processes of the entry point joined through a loopback coordinator."""
+    port = free_port()
+    procs = []
+    for i in range(n):
+        cmd = main_cmd(workdir, *overrides) + [
+            f"--coordinator_address=127.0.0.1:{port}", f"--num_processes={n}",
+            f"--process_id={i}", f"--heartbeat_timeout={heartbeat}",
+            "--initialization_timeout=120"]
+        procs.append(subprocess.Popen(cmd, cwd=REPO_ROOT, env=env(devices, data_dir),
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def finish(procs, timeout):
+    """Waits for every process; returns [(returncode, stdout, stderr)] (kills all on timeout)."""
+    deadline = time.time() + timeout
+    out = []
+    try:
+        for p in procs:
+            so, se = p.communicate(timeout=max(1.0, deadline - time.time()))
+            out.append((p.returncode, so, se))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        raise
+    return out
+
+
+def run_two(workdir, *overrides, data_dir, timeout=420):
+    results = finish(launch(workdir, *overrides, data_dir=data_dir), timeout)
+    for i, (rc, so, se) in enumerate(results):
+        assert rc == 0, f"process {i} failed ({rc}):\n{so[-2000:]}\n{se[-3000:]}"
+    return results
+
+
+def eval_losses(workdir) -> dict:
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    return {r["step"]: r["eval_loss"] for r in rows if "eval_loss" in r}
+
+
+def test_two_processes_equal_one_process_and_resume_in_one(tmp_path, data_dir):
+    steps6 = ["--config.train.steps=6", *SHORT]
+    one = str(tmp_path / "one_process")
+    run_main(one, *SPLIT_MESH, *steps6, devices=8, data_dir=data_dir, timeout=420)
+    two = str(tmp_path / "two_processes")
+    (rc0, out0, _), (rc1, out1, _) = run_two(two, *SPLIT_MESH, *steps6, data_dir=data_dir)
+
+    want, got = train_losses(one), train_losses(two)
+    assert sorted(got) == list(range(1, 7))
+    assert max(abs(got[s] - want[s]) for s in want) <= 1e-5, (want, got)
+    assert got[6] < got[1] - 0.5  # it trained
+    ev1, ev2 = eval_losses(one), eval_losses(two)
+    assert sorted(ev2) == [3, 6] and max(abs(ev2[s] - ev1[s]) for s in ev1) <= 1e-5
+    # process 0 speaks for the run, process 1 prints none of the run's lines
+    assert "8 cpu device(s) in 2 processes" in out0 and "step 6: eval_loss" in out0
+    assert "Model:" not in out1 and "eval_loss" not in out1
+    steps = sorted(int(s) for s in os.listdir(os.path.join(two, "checkpoints")) if s.isdigit())
+    assert steps == [3, 6]
+
+    # the 2-process checkpoint (8 devices) resumes exactly in 1 process on 1 device
+    steps9 = ["--config.train.steps=9", *SHORT]
+    resumed = str(tmp_path / "resumed_on_one_device")
+    shutil.copytree(two, resumed)
+    p = run_main(resumed, *steps9, devices=1, data_dir=data_dir)
+    assert f"Resumed from {resumed}/checkpoints/6" in p.stdout
+    run_main(one, *SPLIT_MESH, *steps9, devices=8, data_dir=data_dir, timeout=420)
+    want, got = train_losses(one), train_losses(resumed)
+    assert sorted(got) == list(range(1, 10))
+    assert max(abs(got[s] - want[s]) for s in range(7, 10)) <= 1e-5, (want, got)
+
+
+_RESTORE_SCRIPT = r"""
+import json, sys, jax, numpy as np
+from icml_jax.config_utils import load_config
+from icml_jax.train import trainer
+workdir, out, mesh = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+c = load_config("configs/lm.py:tiny", unlocked=True)
+c.mesh.data, c.mesh.fsdp, c.mesh.tensor = mesh
+state, step = trainer.load_state(c, workdir)
+flat = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(state.params)}
+split = sorted(k for k, v in flat.items() if len({str(i) for i in v.sharding.devices_indices_map(v.shape).values()}) > 1)
+np.savez(out, **{k: np.asarray(v) for k, v in flat.items()},
+         **{"opt/" + jax.tree_util.keystr(k): np.asarray(v)
+            for k, v in jax.tree_util.tree_leaves_with_path(state.opt_state)})
+print(json.dumps({"step": int(step), "devices": jax.device_count(), "split": split}))
+"""
+
+
+def test_restore_onto_other_device_counts_and_meshes(tmp_path, data_dir):
+    wd = str(tmp_path / "eight_devices")
+    run_main(wd, "--config.mesh.fsdp=4", "--config.mesh.tensor=2", "--config.mesh.data=1",
+             "--config.train.steps=3", *SHORT, devices=8, data_dir=data_dir, timeout=420)
+    got = {}
+    for devices, mesh in ((8, [1, 4, 2]), (1, [1, 1, 1]), (4, [1, 2, 2]), (4, [4, 1, 1])):
+        out = str(tmp_path / f"params_{devices}_{'x'.join(map(str, mesh))}.npz")
+        p = subprocess.run([sys.executable, "-c", _RESTORE_SCRIPT, wd, out, json.dumps(mesh)],
+                           cwd=REPO_ROOT, env=env(devices, data_dir), capture_output=True,
+                           text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+        info = json.loads(p.stdout.strip().splitlines()[-1])
+        assert info["step"] == 3 and info["devices"] == devices
+        if mesh[1] * mesh[2] > 1:  # params really are split over the new mesh
+            assert info["split"], info
+        with np.load(out) as z:
+            got[(devices, tuple(mesh))] = {k: z[k] for k in z.files}
+    ref = got.pop((8, (1, 4, 2)))
+    assert len(ref) > 10
+    for key, arrays in got.items():
+        assert arrays.keys() == ref.keys(), key
+        for name in ref:
+            np.testing.assert_array_equal(arrays[name], ref[name], err_msg=f"{key} {name}")
+
+
+def _socket_addresses(pid: int) -> list:
+    """(local, remote) IPv4/IPv6 addresses of the TCP sockets process ``pid`` holds."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+
+    def decode(hexaddr: str) -> str:
+        ip = hexaddr.split(":")[0]
+        raw = bytes.fromhex(ip)
+        if len(raw) == 4:
+            return socket.inet_ntop(socket.AF_INET, raw[::-1])
+        words = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
+        return socket.inet_ntop(socket.AF_INET6, words)
+
+    out = []
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[9] in inodes:
+                    out.append((decode(cols[1]), decode(cols[2])))
+    return out
+
+
+def _loopback(addr: str) -> bool:
+    return addr.startswith("127.") or addr in ("::1", "::ffff:127.0.0.1") or (
+        addr.startswith("::ffff:127."))
+
+
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_dying_process_stops_the_other_and_traffic_stays_on_loopback(tmp_path, data_dir, victim):
+    wd = str(tmp_path / "run")
+    procs = launch(wd, *SPLIT_MESH, "--config.train.steps=100000", "--config.train.log_every=1",
+                   "--config.train.eval_every=100000", "--config.train.checkpoint_every=100000",
+                   "--config.train.progress=False", data_dir=data_dir, heartbeat=10)
+    try:
+        metrics = os.path.join(wd, "metrics.jsonl")
+        deadline = time.time() + 300
+        while time.time() < deadline and all(p.poll() is None for p in procs):
+            if os.path.exists(metrics) and len(train_losses(wd)) >= 3:
+                break
+            time.sleep(0.2)
+        assert all(p.poll() is None for p in procs), [p.poll() for p in procs]
+        assert len(train_losses(wd)) >= 3, "training did not start"
+        sockets = [a for p in procs for a in _socket_addresses(p.pid)]
+        assert sockets, "no TCP sockets found: the processes do not talk over TCP?"
+        outside = [a for a in sockets if not (_loopback(a[0]) and (_loopback(a[1]) or
+                                                                     set(a[1]) <= set("0.:")))]
+        assert not outside, f"sockets off the loopback interface: {outside}"
+        listening_anywhere = [a for a in sockets if a[0] in ("0.0.0.0", "::")]
+        assert not listening_anywhere, listening_anywhere
+
+        procs[victim].send_signal(signal.SIGKILL)
+        killed_at = time.time()
+        survivor = procs[1 - victim]
+        _, err = survivor.communicate(timeout=90)
+        took = time.time() - killed_at
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert survivor.returncode != 0
+    assert took < 60, took
+    assert ("another process died" in err or "another task died" in err
+            or "leader task was preempted/died" in err), err[-3000:]
+
+
+@pytest.mark.parametrize("settings, expect", [
+    (dict(coordinator_address="127.0.0.1:1234", num_processes=2), "--process_id"),
+    (dict(coordinator_address="127.0.0.1", num_processes=2, process_id=0), "needs a port"),
+    (dict(coordinator_address="127.0.0.1:1", num_processes=2, process_id=2), "must be in [0"),
+    (dict(num_processes=0), ">= 1"),
+    (dict(mode="maybe"), "auto, on, off"),
+    (dict(heartbeat_timeout=0), "--heartbeat_timeout=0"),
+])
+def test_bad_distributed_settings_are_named(settings, expect):
+    with pytest.raises(distributed.DistributedSetupError, match=None) as e:
+        distributed.resolve(distributed.Settings(**settings), environ={})
+    assert expect in str(e.value)
+
+
+def test_settings_from_environment_and_when_to_start():
+    env_vars = {"JAX_COORDINATOR_ADDRESS": "127.0.0.1:9", "JAX_NUM_PROCESSES": "4",
+                "JAX_PROCESS_ID": "3"}
+    s = distributed.resolve(distributed.Settings(), environ=env_vars)
+    assert (s.coordinator_address, s.num_processes, s.process_id) == ("127.0.0.1:9", 4, 3)
+    assert distributed.wanted(s)
+    # a flag wins over the environment
+    s = distributed.resolve(distributed.Settings(process_id=1), environ=env_vars)
+    assert s.process_id == 1
+    assert not distributed.wanted(distributed.resolve(distributed.Settings(mode="off"), env_vars))
+    assert not distributed.wanted(distributed.resolve(distributed.Settings(), environ={}))
+    with pytest.raises(distributed.DistributedSetupError, match="JAX_NUM_PROCESSES"):
+        distributed.resolve(distributed.Settings(), environ={"JAX_NUM_PROCESSES": "two"})
+    assert distributed.is_loopback("localhost:1") and distributed.is_loopback("127.0.0.2:1")
+    assert not distributed.is_loopback("10.0.0.1:1234")
+
+
+class _FakeSharding:
+    """A process's view of a batch sharding: the row slices its devices hold."""
+
+    def __init__(self, slices):
+        self.slices = slices
+
+    def addressable_devices_indices_map(self, shape):
+        return {i: (slice(a, b),) for i, (a, b) in enumerate(self.slices)}
+
+
+def test_process_rows_from_the_sharding():
+    # process 1 of 2 holding rows 8..16 of 16 on 4 devices (two of them replicas)
+    assert distributed.process_rows(_FakeSharding([(8, 12), (8, 12), (12, 16), (12, 16)]), 16) == (1, 2)
+    # a tensor axis across processes: every process feeds the whole batch
+    assert distributed.process_rows(_FakeSharding([(0, 16)]), 16) == (0, 1)
+    with pytest.raises(distributed.DistributedSetupError, match="not one aligned block"):
+        distributed.process_rows(_FakeSharding([(0, 4), (8, 12)]), 16)
+
+
+def test_unreachable_coordinator_is_a_clear_error(tmp_path):
+    p = run_main(str(tmp_path / "wd"), f"--coordinator_address=127.0.0.1:{free_port()}",
+                 "--num_processes=2", "--process_id=1", "--initialization_timeout=2",
+                 check=False, timeout=120)
+    assert p.returncode == 1
+    assert "process 1 of 2: nothing answered at the coordinator address" in p.stderr
+    assert not os.path.exists(str(tmp_path / "wd"))
+
+
+def test_checkpoints_of_the_earlier_layout_still_resume(tmp_path):
+    """Before the JSON data state, the iterator was saved as grain's per-process files."""
+    import grain
+    import jax.numpy as jnp
+    import orbax.checkpoint as ocp
+
+    from icml_jax import tasks
+    from icml_jax.config_utils import load_config
+    from icml_jax.train import checkpoint as ckpt_lib
+
+    cfg = load_config("configs/lm.py:tiny")
+    task = tasks.TASKS.get(cfg.task)(cfg)
+    it = task.train_iterator(seed=0)
+    for _ in range(3):
+        next(it)
+    want = next(it)  # the 4th batch
+    it = task.train_iterator(seed=0)
+    for _ in range(3):
+        next(it)
+    ck = ckpt_lib.Checkpointer(str(tmp_path / "checkpoints"), async_save=False)
+    ck.manager.save(3, args=ocp.args.Composite(
+        state=ocp.args.StandardSave({"w": jnp.arange(3.0)}),
+        data=grain.checkpoint.CheckpointSave(it), config=ocp.args.JsonSave({})), force=True)
+    ck.close()
+    assert not os.path.exists(tmp_path / "checkpoints" / "3" / "data_state")
+
+    fresh = task.train_iterator(seed=0)
+    ck = ckpt_lib.Checkpointer(str(tmp_path / "checkpoints"), async_save=False)
+    state, step = ck.restore_latest({"w": jnp.zeros(3)}, fresh)
+    ck.close()
+    assert step == 3
+    np.testing.assert_array_equal(state["w"], np.arange(3.0))
+    got = next(fresh)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k])
