@@ -86,6 +86,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.text_key = "text"  # JSONL field, or the TFDS feature holding the text
     c.data.data_dir = ""  # TFDS data dir; "" = $TFDS_DATA_DIR or ~/tensorflow_datasets
     c.data.seq_len = 256
+    # independently packed streams the global batch is drawn from (must divide train.batch_size);
+    # > 1 lets each host pack only its own rows' streams (multi-host). Changes the data order.
+    c.data.streams = 1
     # preference / reward-model tasks (data.name="preference_jsonl"; icml_jax/data/preference.py)
     c.data.eval_path = ""  # validation pairs (JSONL); "" = the first pairs of data.path
     c.data.max_prompt_len = 0  # > 0: prompts keep their last max_prompt_len tokens

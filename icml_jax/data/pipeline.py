@@ -20,9 +20,17 @@ Pieces are packed into rows of T by grain's ``FirstFitPackIterDataset``.
 
 Training order: the corpus is tokenised once into memory (int32; a corpus must fit in host RAM), the
 chunk table is shuffled per epoch from ``seed`` (grain ``MapDataset.shuffle`` + ``repeat``, a new
-permutation each epoch), packed, and batched to ``global_batch_size`` rows. Every process builds the
-same global batch and keeps rows ``[p * B, (p + 1) * B)`` where p = process_index: processes get
-disjoint, equally sized slices whose concatenation (in process order) is the 1-process batch.
+permutation each epoch), packed, and batched to ``global_batch_size`` rows. Process p keeps rows
+``[p * B, (p + 1) * B)``: processes get disjoint, equally sized slices whose concatenation (in
+process order) is the 1-process batch.
+
+Streams (``config.data.streams`` = S). With S = 1 there is one packed stream, and every process
+packs the whole global batch and keeps its slice. With S > 1 the chunks are dealt into S streams
+(chunk c goes to stream c mod S), each shuffled, packed and batched to ``global_batch_size / S``
+rows on its own; the global batch is the streams' batches stacked in stream order. A process then
+builds only the streams its rows come from (when S is a multiple of the number of row shards), so
+the packing work is split across hosts. Either way the batches depend on S, never on the process
+count, so a run gives the same losses on 1 or many processes and its checkpoints move between them.
 
 The iterator is a ``grain.DatasetIterator``: ``get_state()`` / ``set_state()`` restore it exactly;
 save it beside the train state with ``grain.checkpoint.CheckpointSave(iterator)`` in orbax.
@@ -173,9 +181,45 @@ def packed_dataset(corpus: TokenizedCorpus, *, seq_len: int, seed: int | None,
     return _pack(ds, seq_len, num_bins, seed or 0, shuffle_bins=seed is not None)
 
 
+class StreamsIterator:
+    """The global batch's rows from streams ``first .. first + len(iterators) - 1`` stacked, then
+    rows ``[start, start + size)`` of that block kept. State: each stream's grain state by its
+    global stream index, so states of processes holding different streams can be merged."""
+
+    def __init__(self, iterators, first: int, start: int, size: int):
+        self.iterators, self.first, self.start, self.size = list(iterators), first, start, size
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        parts = [next(it) for it in self.iterators]
+        block = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+        return _slice_rows(self.start, self.size)(block)
+
+    def get_state(self) -> dict:
+        return {"streams": {str(self.first + i): it.get_state()
+                            for i, it in enumerate(self.iterators)}}
+
+    def set_state(self, state: dict) -> None:
+        streams = state.get("streams") if isinstance(state, dict) else None
+        missing = [str(self.first + i) for i in range(len(self.iterators))
+                   if streams is None or str(self.first + i) not in streams]
+        if missing:
+            raise ValueError(f"the saved data state has no position for stream(s) {missing}; it "
+                             "was written with another config.data.streams (keep it the same "
+                             "when resuming)")
+        for i, it in enumerate(self.iterators):
+            it.set_state(streams[str(self.first + i)])
+
+
+def _stream_seed(seed: int, stream: int) -> int:
+    return int(np.random.SeedSequence([int(seed), int(stream)]).generate_state(1)[0] >> 1)
+
+
 def make_train_iterator(data_cfg: Any, tokenizer: Any, *, seq_len: int, global_batch_size: int,
                         seed: int, process_index: int | None = None,
-                        process_count: int | None = None) -> grain.DatasetIterator:
+                        process_count: int | None = None, streams: int = 1):
     """Endless iterator of training batches (see the module docstring for the contract).
 
     Args:
@@ -185,18 +229,40 @@ def make_train_iterator(data_cfg: Any, tokenizer: Any, *, seq_len: int, global_b
       global_batch_size: rows across all processes; must divide by process_count.
       seed: shuffling seed; equal seeds give identical batches.
       process_index, process_count: default to ``jax.process_index() / process_count()``.
+      streams: S, independently packed streams (module docstring); must divide the batch size.
 
     Returns:
-      a grain ``DatasetIterator`` of dicts of int32 [global_batch_size // process_count, T]; it
-      supports ``get_state()`` / ``set_state()``.
+      an iterator of dicts of int32 [global_batch_size // process_count, T] with
+      ``get_state()`` / ``set_state()``: a grain ``DatasetIterator`` when S = 1, else a
+      ``StreamsIterator``.
     """
     _check_seq_len(seq_len)
     start, size = _process_slice(global_batch_size, process_index, process_count)
+    streams = int(streams)
+    if streams < 1 or global_batch_size % streams:
+        raise ValueError(f"config.data.streams={streams} must be >= 1 and divide the global batch "
+                         f"size {global_batch_size} (config.train.batch_size)")
     corpus = load_corpus(data_cfg, tokenizer, "train", seq_len)
-    ds = packed_dataset(corpus, seq_len=seq_len, seed=int(seed),
-                        num_bins=max(16, global_batch_size))
-    ds = ds.batch(global_batch_size, drop_remainder=True).map(_slice_rows(start, size))
-    return iter(ds)
+    if streams == 1:
+        ds = packed_dataset(corpus, seq_len=seq_len, seed=int(seed),
+                            num_bins=max(16, global_batch_size))
+        ds = ds.batch(global_batch_size, drop_remainder=True).map(_slice_rows(start, size))
+        return iter(ds)
+    rows = global_batch_size // streams
+    # the streams holding this process's rows: all of them unless its slice is whole streams
+    first, last = (start // rows, (start + size) // rows) if size % rows == 0 and start % rows == 0 \
+        else (0, streams)
+    iterators = []
+    for i in range(first, last):
+        ids = np.arange(i, corpus.num_chunks, streams)
+        if len(ids) == 0:
+            raise ValueError(f"config.data.streams={streams} exceeds the {corpus.num_chunks} "
+                             "training chunks; lower it")
+        order = grain.MapDataset.source(ids).shuffle(seed=_stream_seed(seed, i)).repeat(None)
+        ds = order.map(corpus.chunk).to_iter_dataset(_READ)
+        ds = _pack(ds, seq_len, max(16, rows), _stream_seed(seed, i), shuffle_bins=True)
+        iterators.append(iter(ds.batch(rows, drop_remainder=True)))
+    return StreamsIterator(iterators, first, start - first * rows, size)
 
 
 def make_eval_batches(data_cfg: Any, tokenizer: Any, *, split: str = "validation", seq_len: int,

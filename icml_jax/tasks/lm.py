@@ -72,7 +72,8 @@ class LMTask:
         index, count = shard if shard is not None else (None, None)
         return data_lib.make_train_iterator(c.data, self.tokenizer, seq_len=c.data.seq_len,
                                             global_batch_size=c.train.batch_size, seed=seed,
-                                            process_index=index, process_count=count)
+                                            process_index=index, process_count=count,
+                                            streams=c.data.get("streams", 1))
 
     def eval_batches(self, split: str = "validation", shard=None):
         c = self.config

@@ -100,20 +100,42 @@ class Checkpointer:
         self.manager.close()
 
 
+def _allgather_json(obj) -> list:
+    """``obj`` of every process (JSON-able), in process order."""
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    blob = np.frombuffer(json.dumps(obj, sort_keys=True).encode(), np.uint8)
+    n = int(np.max(multihost_utils.process_allgather(np.asarray(len(blob), np.int32))))
+    rows = multihost_utils.process_allgather(np.pad(blob, (0, n - len(blob))))
+    return [json.loads(bytes(r).rstrip(b"\0").decode()) for r in np.asarray(rows).reshape(-1, n)]
+
+
 def _data_state(data_iter) -> dict:
-    """The iterator position as JSON; in a multi-process run, checked to be the same everywhere
-    (it is the global position; a mismatch means the processes read different data)."""
+    """The iterator position as JSON valid for any process count. In a multi-process run the
+    processes' states are gathered: per-stream states (``StreamsIterator``) are merged, a whole
+    iterator's state must be the same everywhere; a disagreement means the processes read
+    different data and stops the save."""
     state = data_iter.get_state()
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-        crc = zlib.crc32(json.dumps(state, sort_keys=True).encode()) & 0x7FFFFFFF
-        crcs = multihost_utils.process_allgather(np.asarray(crc, np.int32))
-        if len(set(np.asarray(crcs).ravel().tolist())) > 1:
-            raise CheckpointError(
-                "the data iterators of the processes are at different positions (state checksums "
-                f"{np.asarray(crcs).ravel().tolist()}), so the checkpoint was not written; every "
-                "process must run the same config (same data, batch size and seed)")
-    return {"iterator": state}
+    if jax.process_count() == 1:
+        return {"iterator": state}
+    states = _allgather_json(state)
+    if all(isinstance(st, dict) and "streams" in st for st in states):
+        merged = {}
+        for st in states:
+            for k, v in st["streams"].items():
+                if merged.setdefault(k, v) != v:
+                    merged = None
+                    break
+            if merged is None:
+                break
+        if merged is not None:
+            return {"iterator": {"streams": merged}}
+    elif all(st == states[0] for st in states):
+        return {"iterator": state}
+    crcs = [zlib.crc32(json.dumps(st, sort_keys=True).encode()) for st in states]
+    raise CheckpointError(
+        f"the data iterators of the processes are at different positions (state checksums {crcs}), "
+        "so the checkpoint was not written; every process must run the same config (same data, "
+        "batch size, streams and seed)")
 
 
 def restore_params(workdir: str, abstract_params):

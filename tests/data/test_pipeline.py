@@ -183,6 +183,44 @@ def test_process_shards_are_disjoint_halves_of_the_global_batch(shakespeare_cfg)
         assert not rows_a & {r.tobytes() for r in b["inputs"]}
 
 
+def test_streams_split_the_packing_across_processes(shakespeare_cfg):
+    """With S streams, process p of P builds only its S/P streams, and the processes' rows stack to
+    the 1-process batch; a state saved with 2 processes resumes the 1-process iterator."""
+    from icml_jax.data.pipeline import StreamsIterator
+    full_it = _train_it(shakespeare_cfg, batch=8, streams=4)
+    full = _take(full_it, 3)
+    parts = [_train_it(shakespeare_cfg, batch=8, streams=4, process_index=p, process_count=2)
+             for p in (0, 1)]
+    assert all(isinstance(it, StreamsIterator) and len(it.iterators) == 2 for it in parts)
+    assert [it.first for it in parts] == [0, 2] and len(full_it.iterators) == 4
+    got = [_take(it, 3) for it in parts]
+    for f, a, b in zip(full, *got):
+        for k in KEYS:
+            assert a[k].shape == (4, 32)
+            np.testing.assert_array_equal(np.concatenate([a[k], b[k]]), f[k])
+        _pieces([{k: f[k][i] for k in KEYS} for i in range(8)], 32)
+    # each stream holds its own chunks: streams 0-1 (process 0) and 2-3 (process 1) share no row
+    assert not ({r.tobytes() for r in got[0][0]["inputs"]}
+                & {r.tobytes() for r in got[1][0]["inputs"]})
+    # merge the two processes' states (what the checkpoint does) and resume one process
+    merged = {"streams": {**parts[0].get_state()["streams"], **parts[1].get_state()["streams"]}}
+    resumed = _train_it(shakespeare_cfg, batch=8, streams=4)
+    resumed.set_state(merged)
+    _assert_batches_equal(_take(resumed, 2), _take(full_it, 2))
+    # fewer streams than row shards: every process builds them all and slices
+    three = _train_it(shakespeare_cfg, batch=8, streams=2, process_index=1, process_count=4)
+    assert len(three.iterators) == 2
+    want = _take(_train_it(shakespeare_cfg, batch=8, streams=2), 2)
+    for w, g in zip(want, _take(three, 2)):
+        np.testing.assert_array_equal(g["inputs"], w["inputs"][2:4])
+    # streams change the data order (they are a config choice, not a process-count effect)
+    assert not np.array_equal(full[0]["inputs"], _take(_train_it(shakespeare_cfg, batch=8), 1)[0]["inputs"])
+    with pytest.raises(ValueError, match="another config.data.streams"):
+        _train_it(shakespeare_cfg, batch=8, streams=4).set_state({"streams": {"0": {}}})
+    with pytest.raises(ValueError, match="config.data.streams=3 must be >= 1 and divide"):
+        _train_it(shakespeare_cfg, batch=8, streams=3)
+
+
 def test_argument_validation(shakespeare_cfg):
     with pytest.raises(ValueError, match="multiple of the process count 3"):
         _train_it(shakespeare_cfg, batch=8, process_index=0, process_count=3)
