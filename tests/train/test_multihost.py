@@ -78,8 +78,10 @@ def test_two_processes_equal_one_process_and_resume_in_one(tmp_path, data_dir, s
     run_main(one, *SPLIT_MESH, *base, "--config.train.steps=6", devices=8, data_dir=data_dir,
              timeout=420)
     two = str(tmp_path / "two_processes")
+    # sampling at the end needs the params gathered from both processes
+    sample = ["--config.train.samples=1", "--config.train.sample_len=8"] if streams == 1 else []
     (_, out0, _), (_, out1, _) = run_two(two, *SPLIT_MESH, *base, "--config.train.steps=4",
-                                         data_dir=data_dir)
+                                         *sample, data_dir=data_dir)
 
     want, got = train_losses(one), train_losses(two)
     assert sorted(got) == list(range(1, 5))
@@ -89,7 +91,11 @@ def test_two_processes_equal_one_process_and_resume_in_one(tmp_path, data_dir, s
     assert sorted(ev2) == [2, 4] and max(abs(ev2[s] - ev1[s]) for s in ev2) <= 1e-5
     # process 0 speaks for the run, process 1 prints none of the run's lines
     assert "8 cpu device(s) in 2 processes" in out0 and "step 4: eval_loss" in out0
-    assert "Model:" not in out1 and "eval_loss" not in out1
+    assert "Model:" not in out1 and "eval_loss" not in out1 and "--- sample ---" not in out1
+    if sample:
+        with open(os.path.join(two, "summary.json")) as f:
+            texts = json.load(f)["samples"]
+        assert "--- sample ---" in out0 and len(texts) == 1 and texts[0].startswith("ROMEO.")
     steps = sorted(int(s) for s in os.listdir(os.path.join(two, "checkpoints")) if s.isdigit())
     assert steps == [2, 4]
 
