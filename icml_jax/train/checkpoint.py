@@ -7,10 +7,12 @@ behind. A step that fails to restore (corrupted files) is moved aside to ``corru
 where it is and the run stops with an error instead (the processes cannot agree on a fallback).
 
 Multi-process runs: every process writes the shards of the train state it holds and process 0
-commits the step (orbax). The data iterator's position (``data_state``, JSON) is the same on every
-process, because every process walks the same global batches and keeps its own rows of them; it
-is checked to agree across processes and written once, so a checkpoint restores under any process
-count, device count or mesh shape (the state is restored straight into the new shardings).
+commits the step (orbax). The data iterator's position (``data_state``, JSON) is gathered from all
+processes and written once: a single-stream iterator's state is the same everywhere (every process
+walks the same global batches and keeps its rows), checked; per-stream states
+(``config.data.streams`` > 1, each process holding some streams) are merged. So a checkpoint
+restores under any process count, device count or mesh shape (the train state is read straight
+into the new shardings).
 Checkpoints of earlier versions kept the iterator as grain's per-process files (``data``); they
 still restore when the process count is the one that wrote them.
 """

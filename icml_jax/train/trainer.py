@@ -316,7 +316,8 @@ def _gather_to_host(tree):
 def load_state(config: ml_collections.ConfigDict, workdir: str, devices=None):
     """The newest checkpoint of ``workdir`` as a ``TrainState`` sharded for ``config.mesh`` over
     ``devices`` (default: all), whatever device count, mesh or process count wrote it -> (state,
-    step). E.g. params trained on a 64-chip pod, inspected on 1 GPU with ``config.mesh`` all 1."""
+    step). E.g. params trained on a 64-chip pod, inspected on 1 GPU with ``config.mesh`` all 1.
+    As when resuming, an unreadable newest step is moved aside and the previous one is used."""
     validate_config(config, len(jax.devices() if devices is None else devices))
     task = tasks.TASKS.get(config.task)(config)
     mesh = mesh_lib.make_mesh(config.mesh, devices)
