@@ -331,3 +331,35 @@ def test_launch_local_stops_and_reports_a_failing_run(tmp_path):
     assert "launch_local: a process failed (exit code 1)" in p.stderr
     with open(os.path.join(wd, "logs", "process_1.log")) as f:
         assert "process 1 of 2: config.train.steps must be positive" in f.read()
+
+
+def test_initialize_passes_the_settings_to_jax(monkeypatch):
+    """What reaches jax.distributed.initialize (recorded, not run): a loopback coordinator binds
+    to loopback only; on a detected Cloud TPU pod nothing is set and JAX fills everything in."""
+    import jax
+
+    calls = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(distributed, "_check_coordinator", lambda s: None)
+    monkeypatch.setattr(distributed, "_pin_gloo_to_loopback", lambda: None)
+    for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+        monkeypatch.delenv(var, raising=False)
+
+    monkeypatch.setattr(distributed, "_on_cloud_tpu", lambda: False)
+    assert not distributed.initialize(distributed.Settings())
+    assert distributed.initialize(distributed.Settings(
+        coordinator_address="127.0.0.1:4321", num_processes=2, process_id=0, heartbeat_timeout=7,
+        local_device_ids=(0, 1)))
+    assert calls[-1]["coordinator_bind_address"] == "127.0.0.1:4321"
+    assert (calls[-1]["num_processes"], calls[-1]["process_id"]) == (2, 0)
+    assert calls[-1]["heartbeat_timeout_seconds"] == 7 and calls[-1]["local_device_ids"] == [0, 1]
+    distributed.initialize(distributed.Settings(coordinator_address="10.0.0.1:4321",
+                                                num_processes=4, process_id=3))
+    assert "coordinator_bind_address" not in calls[-1]
+    assert len(calls) == 2
+
+    monkeypatch.setattr(distributed, "_on_cloud_tpu", lambda: True)
+    assert distributed.initialize(distributed.Settings())
+    assert calls[-1]["coordinator_address"] is None and calls[-1]["process_id"] is None
+    assert not distributed.initialize(distributed.Settings(mode="off"))
+    assert len(calls) == 3
