@@ -12,8 +12,10 @@ NOTEBOOKS = sorted(glob.glob(os.path.join(REPO_ROOT, "notebooks", "*.ipynb")))
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)
-def test_notebook_executes(path, tmp_path, monkeypatch):
+def test_notebook_executes(path, tmp_path, monkeypatch, jax_cache_env):
     monkeypatch.setenv("TFDS_DATA_DIR", str(tmp_path / "tfds"))
+    for k, v in jax_cache_env.items():  # the session's compilation cache (tests/conftest.py)
+        monkeypatch.setenv(k, v)
     nb = nbformat.read(path, as_version=4)
     NotebookClient(nb, timeout=600, kernel_name="python3",
                    resources={"metadata": {"path": REPO_ROOT}}).execute()
