@@ -3,6 +3,7 @@ import csv
 import json
 import math
 import os
+import shutil
 import time
 
 import numpy as np
@@ -12,10 +13,16 @@ from experiments.bsr_robustness.__main__ import (NS, OOD_SPLITS, SPLITS, main, p
                                                  presets)
 
 
-def test_bsr_robustness_tiny_outputs_and_resume(tmp_path, monkeypatch):
+@pytest.mark.xdist_group("preference_testbed_tiny")
+def test_bsr_robustness_tiny_outputs_and_resume(tmp_path, monkeypatch, preference_testbed_tiny):
     monkeypatch.setenv("TFDS_DATA_DIR", str(tmp_path / "tfds"))
     wd = str(tmp_path / "exp")
+    # the tiny testbed (SFT policy + gold-scored groups) is built once per session by
+    # build_testbed (tests/conftest.py); main finds the copy in its default place, complete
+    shutil.copytree(preference_testbed_tiny, os.path.join(wd, "testbed"), symlinks=True)
     out = main([f"--workdir={wd}", "--preset=tiny"])
+    assert os.path.getmtime(os.path.join(wd, "testbed", "sft_result.json")) == os.path.getmtime(
+        os.path.join(preference_testbed_tiny, "sft_result.json"))  # the SFT run was not redone
     cfg = json.load(open(os.path.join(wd, "config.json")))
     assert sorted(cfg["runs"]) == ["bsr_s0", "bt_s0"]
     assert cfg["runs"]["bt_s0"]["loss"]["bsr_lambda"] == 0.0

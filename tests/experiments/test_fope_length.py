@@ -3,13 +3,17 @@ import csv
 import json
 import os
 
+import pytest
+
 from experiments.fope_length.__main__ import FACTORS, METHODS, main
 
 
-def test_fope_length_tiny_outputs(tmp_path, monkeypatch):
-    monkeypatch.setenv("TFDS_DATA_DIR", str(tmp_path / "tfds"))
-    wd = str(tmp_path / "exp")
-    main([f"--workdir={wd}", "--preset=tiny"])
+@pytest.mark.xdist_group("fope_tiny_run")
+def test_fope_length_tiny_outputs(fope_tiny_run, session_tfds_dir, monkeypatch):
+    # the run is main([--workdir, --preset=tiny]) in a session fixture (tests/conftest.py), which
+    # the FoPE notebook's test reuses as well
+    monkeypatch.setenv("TFDS_DATA_DIR", session_tfds_dir)
+    wd = fope_tiny_run
     cfg = json.load(open(os.path.join(wd, "config.json")))
     assert cfg["methods"] == list(METHODS) and len(cfg["seeds"]) >= 2
     L = cfg["base_config"]["data"]["seq_len"]

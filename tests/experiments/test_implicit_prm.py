@@ -28,11 +28,13 @@ def test_selector_scores_and_orders():
     assert res == {1: 0.5, 2: 1.0}
 
 
-def test_implicit_prm_tiny(tmp_path, monkeypatch):
-    monkeypatch.setenv("TFDS_DATA_DIR", str(tmp_path / "tfds"))
-    wd = str(tmp_path / "exp")
+@pytest.mark.xdist_group("implicit_prm_tiny_run")
+def test_implicit_prm_tiny(implicit_prm_tiny_run, session_tfds_dir, monkeypatch):
+    # the run is main([--workdir, --preset=tiny]) in a session fixture (tests/conftest.py), which
+    # the implicit PRM notebook's test reuses as well
+    monkeypatch.setenv("TFDS_DATA_DIR", session_tfds_dir)
+    _, wd, out = implicit_prm_tiny_run
     exp = PRESETS["tiny"]
-    out = main([f"--workdir={wd}", "--preset=tiny"])
     for f in ("config.json", "results.csv", "results.md", "best_of_n.png", "first_error_f1.png"):
         assert os.path.getsize(os.path.join(wd, f)) > 0, f
     with open(os.path.join(wd, "best_of_n.png"), "rb") as f:

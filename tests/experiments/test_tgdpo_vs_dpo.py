@@ -4,6 +4,7 @@ import csv
 import json
 import math
 import os
+import shutil
 import time
 
 import numpy as np
@@ -18,11 +19,17 @@ def test_win_rate_counts_ties_as_half():
     assert per_prompt_win([[1.0], [-1.0]], [[0.0], [0.0]]) == [1.0, 0.0]
 
 
-def test_tgdpo_vs_dpo_tiny_outputs_and_rerun(tmp_path, monkeypatch):
+@pytest.mark.xdist_group("preference_testbed_tiny")
+def test_tgdpo_vs_dpo_tiny_outputs_and_rerun(tmp_path, monkeypatch, preference_testbed_tiny):
     monkeypatch.setenv("TFDS_DATA_DIR", str(tmp_path / "tfds"))
     wd = str(tmp_path / "exp")
+    # the tiny testbed (SFT policy + gold-scored groups) is built once per session by
+    # build_testbed (tests/conftest.py); main finds the copy in its default place, complete
+    shutil.copytree(preference_testbed_tiny, os.path.join(wd, "testbed"), symlinks=True)
     exp = PRESETS["tiny"]
     main([f"--workdir={wd}", "--preset=tiny"])
+    assert os.path.getmtime(os.path.join(wd, "testbed", "sft_result.json")) == os.path.getmtime(
+        os.path.join(preference_testbed_tiny, "sft_result.json"))  # the SFT run was not redone
 
     cfg = json.load(open(os.path.join(wd, "config.json")))
     runs = cfg["runs"]
