@@ -188,8 +188,8 @@ def _loopback(addr: str) -> bool:
 @pytest.mark.parametrize("victim", [1, 0])
 def test_a_dying_process_stops_the_other_and_traffic_stays_on_loopback(tmp_path, data_dir, victim):
     wd = str(tmp_path / "run")
-    procs = launch(wd, *SPLIT_MESH, "--config.train.steps=100000", "--config.train.log_every=1",
-                   "--config.train.eval_every=100000", "--config.train.checkpoint_every=100000",
+    procs = launch(wd, *SPLIT_MESH, "--config.train.steps=2000", "--config.train.log_every=1",
+                   "--config.train.eval_every=2000", "--config.train.checkpoint_every=2000",
                    "--config.train.progress=False", data_dir=data_dir, heartbeat=10)
     try:
         metrics = os.path.join(wd, "metrics.jsonl")
