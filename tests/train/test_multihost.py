@@ -330,7 +330,10 @@ def test_launch_local_stops_and_reports_a_failing_run(tmp_path):
     assert "process 0 of 2: config.train.steps must be positive" in p.stderr
     assert "launch_local: a process failed (exit code 1)" in p.stderr
     with open(os.path.join(wd, "logs", "process_1.log")) as f:
-        assert "process 1 of 2: config.train.steps must be positive" in f.read()
+        log1 = f.read()
+    # process 1 reports the same error, unless process 0's exit (the coordinator's) ended it first
+    assert ("process 1 of 2: config.train.steps must be positive" in log1
+            or "another task died" in log1 or "leader task was preempted/died" in log1), log1[-2000:]
 
 
 def test_initialize_passes_the_settings_to_jax(monkeypatch):
