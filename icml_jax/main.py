@@ -51,7 +51,7 @@ def main(argv):
             local_device_ids=(tuple(int(i) for i in _LOCAL_DEVICES.value)
                               if _LOCAL_DEVICES.value else None),
             initialization_timeout=_INIT_TIMEOUT.value, heartbeat_timeout=_HEARTBEAT.value))
-    except (distributed.DistributedSetupError, ValueError) as e:
+    except ValueError as e:  # DistributedSetupError and bad flag values
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
 

@@ -125,14 +125,14 @@ def _data_state(data_iter) -> dict:
         for st in states:
             for k, v in st["streams"].items():
                 if merged.setdefault(k, v) != v:
-                    merged = None
-                    break
-            if merged is None:
-                break
-        if merged is not None:
-            return {"iterator": {"streams": merged}}
-    elif all(st == states[0] for st in states):
-        return {"iterator": state}
+                    _positions_differ(states)
+        return {"iterator": {"streams": merged}}
+    if any(st != states[0] for st in states):
+        _positions_differ(states)
+    return {"iterator": state}
+
+
+def _positions_differ(states):
     crcs = [zlib.crc32(json.dumps(st, sort_keys=True).encode()) for st in states]
     raise CheckpointError(
         f"the data iterators of the processes are at different positions (state checksums {crcs}), "

@@ -167,8 +167,13 @@ def abstract_state(task, tx, config, mesh, rules):
     init_rng, init_boxed, shardings = _state_init(task, tx, config, mesh, rules)
     with mesh, nn.logical_axis_rules(rules):
         shapes = jax.eval_shape(lambda r: nn.meta.unbox(init_boxed(r)), init_rng)
+    return restore_target(shapes, shardings)
+
+
+def restore_target(arrays, shardings):
+    """ShapeDtypeStructs of ``arrays`` (arrays or shapes) laid out by ``shardings``."""
     return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
-                        shapes, shardings)
+                        arrays, shardings)
 
 
 def _config_dict(config) -> dict:
@@ -198,8 +203,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     data_iter = task.train_iterator(seed=config.seed, shard=shard)
     ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=t.keep_checkpoints,
                                  async_save=t.async_checkpoint)
-    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state,
-                            state_shardings)
+    abstract = restore_target(state, state_shardings)
     restored, start = ckpt.restore_latest(abstract, data_iter)
     log = (lambda *a: print(*a, flush=True)) if is_main else (lambda *a: None)
     if restored is not None:
@@ -343,8 +347,7 @@ def _init_from(task, workdir: str, params, shardings):
     key (``task.pretrained_key``, e.g. a reward model's ``backbone``) gets them there."""
     key = getattr(task, "pretrained_key", None)
     sub, sub_shard = (params, shardings) if key is None else (params[key], shardings[key])
-    abstract = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
-                            sub, sub_shard)
+    abstract = restore_target(sub, sub_shard)
     try:
         loaded, _ = ckpt_lib.restore_params(workdir, abstract)
     except ckpt_lib.CheckpointError as e:
