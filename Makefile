@@ -32,7 +32,7 @@ demo: $(STAMP)
 	$(PY) -m icml_jax.sample --checkpoint=$(WORKDIR) --prompt="ROMEO." --max_new_tokens=$(SAMPLE_TOKENS)
 
 test: $(FULL_STAMP)
-	$(PY) -m pytest -n 2 --dist loadgroup --durations=15 tests $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 --dist loadgroup --durations=30 tests $(PYTEST_ARGS)
 
 bench: $(FULL_STAMP)
 	$(PY) -m benchmarks.train_throughput

@@ -30,7 +30,8 @@ INSTALL_REQUIRES = [
 
 EXTRAS = {
     "test": ["pytest==9.2.0", "pytest-xdist==3.8.0", "nbclient==0.11.0", "nbformat==5.11.1",
-             "ipykernel==7.4.0"],
+             "ipykernel==7.4.0",
+             "filelock==4.3.1"],  # lock of the test suite's compilation cache (tests/jax_env.py)
     # HF interop, parity tests and the PyTorch baseline of `make bench`. torch is pinned to the
     # CPU wheel that ships on the development machine; an unpinned torch pulls a CUDA build.
     "interop": ["torch==2.13.0", "transformers==5.23.0", "safetensors==0.8.0", "tokenizers==0.23.3"],

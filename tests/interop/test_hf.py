@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from icml_jax.interop import hf as hf_lib  # noqa: E402
 from icml_jax.interop import load_hf, load_hf_tokenizer, save_hf  # noqa: E402
 from icml_jax.models import build_model  # noqa: E402
+from tests.jax_env import subprocess_env
 
 V, T = 128, 16
 SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -421,7 +422,7 @@ _SHARDED = textwrap.dedent("""
 @pytest.mark.parametrize("scan", [False, True], ids=["loop", "scan"])
 def test_sharded_load_on_8_fake_devices(saved, scan):
     path, ref = saved("llama_untied")
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = subprocess_env(8)
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
     r = subprocess.run([sys.executable, "-c", _SHARDED, path, "1" if scan else "0",

@@ -20,6 +20,7 @@ from icml_jax.config_utils import REPO_ROOT, load_config
 from icml_jax.models import build_model
 from icml_jax.models import rmt
 from icml_jax.tasks.lm import log_normalizer, token_logprobs, with_z_loss
+from tests.jax_env import subprocess_env
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "rmt_reference.npz")
 
@@ -441,8 +442,7 @@ print("RESULT" + json.dumps(out))
 
 
 def _run(devices, mesh):
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}" if devices > 1 else "")
+    env = subprocess_env(devices)
     p = subprocess.run([sys.executable, "-c", _SHARD_SCRIPT, *map(str, mesh)], cwd=REPO_ROOT, env=env,
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]

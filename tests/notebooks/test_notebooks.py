@@ -61,10 +61,8 @@ def _param(path):
 
 
 @pytest.mark.parametrize("path", [_param(p) for p in NOTEBOOKS])
-def test_notebook_executes(path, tmp_path, monkeypatch, request, jax_cache_env):
+def test_notebook_executes(path, tmp_path, monkeypatch, request):
     monkeypatch.setenv("TFDS_DATA_DIR", str(tmp_path / "tfds"))
-    for k, v in jax_cache_env.items():  # the session's compilation cache (tests/conftest.py)
-        monkeypatch.setenv(k, v)
     work, stamps = None, {}
     if os.path.basename(path) in SHARED:
         fixture, prepare, cached = SHARED[os.path.basename(path)]

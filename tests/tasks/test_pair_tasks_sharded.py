@@ -8,13 +8,13 @@ import numpy as np
 
 from icml_jax.config_utils import REPO_ROOT
 from icml_jax.data.preference import write_preference_jsonl
+from tests.jax_env import subprocess_env
 
 from tests.tasks.helpers import synthetic_pairs as _pairs
 
 
 def _run(workdir, data, devices, *extra):
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}" if devices > 1 else "")
+    env = subprocess_env(devices)
     cmd = [sys.executable, "-m", "icml_jax.main", "--config=configs/reward_model.py:tiny",
            f"--workdir={workdir}", f"--config.data.path={data}", "--config.train.steps=4",
            "--config.train.log_every=1", "--config.train.eval_every=4",

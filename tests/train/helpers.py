@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 from icml_jax.config_utils import REPO_ROOT
+from tests.jax_env import subprocess_env
 
 
 def main_cmd(workdir, *overrides, preset="tiny"):
@@ -13,12 +14,7 @@ def main_cmd(workdir, *overrides, preset="tiny"):
 
 
 def env(devices: int = 1, data_dir: str = None):
-    e = dict(os.environ)
-    e["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}" if devices > 1 else ""
-    e["JAX_PLATFORMS"] = "cpu"
-    if data_dir:
-        e["TFDS_DATA_DIR"] = data_dir
-    return e
+    return subprocess_env(devices, **({"TFDS_DATA_DIR": data_dir} if data_dir else {}))
 
 
 def run_main(workdir, *overrides, devices=1, timeout=300, check=True, data_dir=None):

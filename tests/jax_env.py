@@ -1,0 +1,67 @@
+"""How the test suite runs JAX: XLA's optimisation level, the compilation cache, subprocesses.
+
+``tests/conftest.py`` calls :func:`configure` before anything imports JAX, so the settings reach
+the pytest process, its xdist workers and, through the environment, every subprocess a test starts
+(CLI runs, multi-process runs, notebook kernels). Subprocesses that need fake devices build their
+environment with :func:`subprocess_env`, which keeps these settings and only sets the device count.
+
+* **XLA backend optimisation level 0.** Tests compile thousands of tiny programs and run each a
+  few times, so compiling dominates; level 0 roughly halves XLA's CPU compile time and every
+  assertion still holds (numerics are checked to tolerances that do not depend on fusion order).
+  ``ICML_JAX_TEST_XLA_OPT=default`` runs the suite at XLA's default level instead (do that when a
+  test fails only at one level). Benchmarks and experiments run outside pytest never see this.
+* **A persistent compilation cache shared by the whole session** (workers and subprocesses), with
+  JAX's own threshold: only executables that took at least 1 s to compile are written. Smaller
+  ones are cheaper to compile again than to store: each write runs the cache's eviction scan over
+  the whole folder under a file lock shared by all processes. The size bound is what turns that
+  lock on (two processes never read an entry the other is still writing), and the lock needs the
+  ``filelock`` package (the ``test`` extra), so a missing one is an error here, not a cache that
+  silently does nothing.
+"""
+import os
+import tempfile
+
+OPT_ENV = "ICML_JAX_TEST_XLA_OPT"
+CACHE_ENV = "ICML_JAX_TEST_COMPILATION_CACHE"
+OPT_FLAG = "--xla_backend_optimization_level=0"
+DEVICES_FLAG = "--xla_force_host_platform_device_count"
+MIN_COMPILE_SECS = 1.0
+
+
+def _with_opt_level(flags: list[str]) -> str:
+    if os.environ.get(OPT_ENV, "0") != "default" and OPT_FLAG not in flags:
+        flags = flags + [OPT_FLAG]
+    return " ".join(flags)
+
+
+def configure() -> tuple[str, bool]:
+    """Sets this process's environment (inherited by every child); returns (cache folder, whether
+    this process created it and should remove it at exit)."""
+    try:
+        import filelock  # noqa: F401  (JAX's cache lock; see the module docstring)
+    except ImportError as e:
+        raise RuntimeError("the test suite's compilation cache needs `filelock`: "
+                           "pip install -e '.[test]'") from e
+    own = False
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        os.environ.setdefault(CACHE_ENV, os.environ["JAX_COMPILATION_CACHE_DIR"])
+    elif not os.environ.get(CACHE_ENV):
+        os.environ[CACHE_ENV] = tempfile.mkdtemp(prefix="icml_jax_test_jit_cache_")
+        own = True
+    cache = os.environ[CACHE_ENV]
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = cache
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", str(MIN_COMPILE_SECS))
+    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(16 << 30))
+    os.environ["XLA_FLAGS"] = _with_opt_level(os.environ.get("XLA_FLAGS", "").split())
+    return cache, own
+
+
+def subprocess_env(devices: int = 1, **extra: str) -> dict:
+    """This process's environment for a child JAX process on the CPU with ``devices`` fake
+    devices; ``extra`` adds or replaces variables."""
+    env = dict(os.environ)
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(DEVICES_FLAG)]
+    env["XLA_FLAGS"] = _with_opt_level(flags + ([f"{DEVICES_FLAG}={devices}"] if devices > 1 else []))
+    env["JAX_PLATFORMS"] = "cpu"
+    env.update(extra)
+    return env
