@@ -38,7 +38,9 @@ No worker processes are used (deterministic, cheap on a 2-core CPU).
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
+import hashlib
 import time
 from typing import Any
 
@@ -280,28 +282,44 @@ def make_eval_batches(data_cfg: Any, tokenizer: Any, *, split: str = "validation
     _check_seq_len(seq_len)
     start, size = _process_slice(batch_size, process_index, process_count)
     corpus = load_corpus(data_cfg, tokenizer, split, seq_len)
-    ds = packed_dataset(corpus, seq_len=seq_len, seed=None, num_epochs=1,
-                        num_bins=max(16, batch_size))
-    batches = []
-    rows = []
-    for row in ds:
-        rows.append(row)
-        if len(rows) == batch_size:
-            batches.append(_stack(rows, batch_size, seq_len))
-            rows = []
-    if rows:
-        batches.append(_stack(rows, batch_size, seq_len))
-    if max_batches and 0 < max_batches < len(batches):
-        keep = np.unique(np.linspace(0, len(batches) - 1, max_batches).round().astype(int))
-        batches = [batches[i] for i in keep]
-    return [_slice_rows(start, size)(b) for b in batches]
+    rows = _packed_rows(corpus, seq_len, max(16, batch_size))
+    n_batches = -(-len(rows["inputs"]) // batch_size)
+    keep = range(n_batches)
+    if max_batches and 0 < max_batches < n_batches:
+        keep = np.unique(np.linspace(0, n_batches - 1, max_batches).round().astype(int))
+    return [_slice_rows(start, size)(_batch(rows, int(i), batch_size, seq_len)) for i in keep]
 
 
-def _stack(rows: list[dict[str, np.ndarray]], batch_size: int, seq_len: int):
+# Unshuffled packing of a whole split, memoised per process: evaluation packs every row of the
+# split to choose its evenly spaced batches, and a process often asks again for the same split
+# (each model of an experiment, a resumed run, the tests), which grain's per-row packing makes
+# slow. Keyed by the chunks' contents, so an edited corpus is packed anew.
+_PACKED_ROWS: collections.OrderedDict = collections.OrderedDict()
+_PACKED_ROWS_MAX = 4
+
+
+def _packed_rows(corpus: TokenizedCorpus, seq_len: int, num_bins: int) -> dict[str, np.ndarray]:
+    digest = hashlib.sha1()
+    for a in (corpus.tokens, corpus.chunk_starts, corpus.chunk_ends):
+        digest.update(np.ascontiguousarray(a).tobytes())
+    key = (digest.hexdigest(), int(seq_len), int(num_bins))
+    if key not in _PACKED_ROWS:
+        ds = packed_dataset(corpus, seq_len=seq_len, seed=None, num_epochs=1, num_bins=num_bins)
+        rows = list(ds)
+        _PACKED_ROWS[key] = {k: np.stack([r[k] for r in rows]).astype(np.int32) if rows else
+                             np.zeros((0, seq_len), np.int32) for k in FEATURES}
+        while len(_PACKED_ROWS) > _PACKED_ROWS_MAX:
+            _PACKED_ROWS.popitem(last=False)
+    _PACKED_ROWS.move_to_end(key)
+    return _PACKED_ROWS[key]
+
+
+def _batch(rows: dict[str, np.ndarray], i: int, batch_size: int, seq_len: int):
+    """Batch ``i`` of the packed rows (a fresh copy), completed with all-padding rows."""
     out = {k: np.zeros((batch_size, seq_len), np.int32) for k in FEATURES}
-    for i, row in enumerate(rows):
-        for k in FEATURES:
-            out[k][i] = row[k]
+    for k in FEATURES:
+        part = rows[k][i * batch_size:(i + 1) * batch_size]
+        out[k][:len(part)] = part
     return out
 
 
