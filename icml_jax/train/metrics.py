@@ -2,8 +2,25 @@
 import json
 import math
 import os
+import sys
 
-from tensorboardX import SummaryWriter
+
+def _summary_writer(logdir: str):
+    """tensorboardX's SummaryWriter, imported without PyTorch.
+
+    When torch is installed, ``import tensorboardX`` imports it (about 3 s of start-up per process)
+    only to name ``torch.Tensor`` in type hints; we log Python floats only. While torch is not yet
+    imported, a ``None`` entry in ``sys.modules`` makes that import fail fast, and is removed after.
+    """
+    blocked = "torch" not in sys.modules
+    if blocked:
+        sys.modules["torch"] = None
+    try:
+        from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+    finally:
+        if blocked:
+            del sys.modules["torch"]
+    return SummaryWriter(logdir)
 
 
 def _atomic_write(path: str, text: str) -> None:
@@ -39,7 +56,7 @@ class MetricsWriter:
         kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
         _atomic_write(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         self._f = open(self.path, "a")
-        self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+        self._tb = _summary_writer(os.path.join(workdir, "tensorboard"))
 
     def write(self, step: int, metrics: dict) -> None:
         if not self.enabled:
