@@ -290,10 +290,59 @@ def make_eval_batches(data_cfg: Any, tokenizer: Any, *, split: str = "validation
     return [_slice_rows(start, size)(_batch(rows, int(i), batch_size, seq_len)) for i in keep]
 
 
-# Unshuffled packing of a whole split, memoised per process: evaluation packs every row of the
+def first_fit_rows(corpus: TokenizedCorpus, seq_len: int, num_bins: int) -> dict[str, np.ndarray]:
+    """Every row of ``packed_dataset(corpus, seq_len=seq_len, seed=None, num_epochs=1,
+    num_bins=num_bins)``, stacked ([R, T] int32 per feature), computed directly with numpy.
+
+    The same first-fit packing as grain's ``FirstFitPackIterDataset`` without bin shuffling
+    (tests/data/test_eval_packing.py compares the two): chunks in corpus order; each goes into the
+    lowest-numbered of ``num_bins`` rows with room for it; a chunk that fits in none emits the
+    batch's used rows in order and starts the next batch. Segment ids count 1, 2, ... within a
+    row, positions restart at 0 per piece, padding is 0. Evaluation packs whole splits, and
+    grain's per-element iteration took seconds for a small one (16k chunks: 11 s -> 0.1 s).
+    """
+    lengths = (corpus.chunk_ends - corpus.chunk_starts - 1).astype(np.int64)
+    if lengths.size and (lengths.max() > seq_len or lengths.min() < 1):
+        raise ValueError(f"chunks of 1..{seq_len} tokens expected (the corpus was chunked for "
+                         "another seq_len)")
+    row_of = np.empty(len(lengths), np.int64)  # global row of each chunk
+    offset = np.empty(len(lengths), np.int64)  # its first cell in that row
+    seg = np.empty(len(lengths), np.int32)     # its segment id there
+    free = np.zeros(num_bins, np.int64)
+    count = np.zeros(num_bins, np.int32)
+    base = used = 0
+    for i, n in enumerate(lengths.tolist()):
+        fits = np.flatnonzero(free + n <= seq_len)
+        if fits.size == 0:  # emit this batch's used rows; a new batch starts with this chunk
+            base, used = base + used, 0
+            free[:], count[:] = 0, 0
+            r = 0
+        else:
+            r = int(fits[0])
+        used = max(used, r + 1)
+        row_of[i], offset[i] = base + r, free[r]
+        count[r] += 1
+        seg[i] = count[r]
+        free[r] += n
+    num_rows = base + used
+    out = {k: np.zeros((num_rows, seq_len), np.int32) for k in FEATURES}
+    if not len(lengths):
+        return out
+    # scatter every token of every chunk to (row, cell) in one vectorised step
+    pieces = np.repeat(np.arange(len(lengths)), lengths)
+    within = np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    rows, cells = row_of[pieces], offset[pieces] + within
+    src = corpus.chunk_starts[pieces] + within
+    out["inputs"][rows, cells] = corpus.tokens[src]
+    out["targets"][rows, cells] = corpus.tokens[src + 1]
+    out["segment_ids"][rows, cells] = seg[pieces]
+    out["positions"][rows, cells] = within
+    return out
+
+
+# The unshuffled packing of a whole split, memoised per process: evaluation packs every row of a
 # split to choose its evenly spaced batches, and a process often asks again for the same split
-# (each model of an experiment, a resumed run, the tests), which grain's per-row packing makes
-# slow. Keyed by the chunks' contents, so an edited corpus is packed anew.
+# (each model of an experiment, a resumed run). Keyed by the chunks' contents.
 _PACKED_ROWS: collections.OrderedDict = collections.OrderedDict()
 _PACKED_ROWS_MAX = 4
 
@@ -304,10 +353,7 @@ def _packed_rows(corpus: TokenizedCorpus, seq_len: int, num_bins: int) -> dict[s
         digest.update(np.ascontiguousarray(a).tobytes())
     key = (digest.hexdigest(), int(seq_len), int(num_bins))
     if key not in _PACKED_ROWS:
-        ds = packed_dataset(corpus, seq_len=seq_len, seed=None, num_epochs=1, num_bins=num_bins)
-        rows = list(ds)
-        _PACKED_ROWS[key] = {k: np.stack([r[k] for r in rows]).astype(np.int32) if rows else
-                             np.zeros((0, seq_len), np.int32) for k in FEATURES}
+        _PACKED_ROWS[key] = first_fit_rows(corpus, seq_len, num_bins)
         while len(_PACKED_ROWS) > _PACKED_ROWS_MAX:
             _PACKED_ROWS.popitem(last=False)
     _PACKED_ROWS.move_to_end(key)
