@@ -5,12 +5,17 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from icml_jax.config_utils import REPO_ROOT
 from icml_jax.data.preference import write_preference_jsonl
 from tests.jax_env import subprocess_env
 
 from tests.tasks.helpers import synthetic_pairs as _pairs
+
+# long multi-device / multi-process runs in subprocesses: one xdist worker takes all of them,
+# first, while the other runs in-process tests (tests/README.md)
+pytestmark = pytest.mark.xdist_group("heavy_subprocesses")
 
 
 def _run(workdir, data, devices, *extra):

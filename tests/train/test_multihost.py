@@ -22,14 +22,18 @@ from icml_jax.config_utils import REPO_ROOT
 from icml_jax.train import distributed
 from tests.train.helpers import env, main_cmd, run_main, train_losses
 
+# long multi-device / multi-process runs in subprocesses: one xdist worker takes all of them,
+# first, while the other runs in-process tests (tests/README.md)
+pytestmark = pytest.mark.xdist_group("heavy_subprocesses")
+
 SPLIT_MESH = ["--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2"]
 SHORT = ["--config.train.checkpoint_every=2", "--config.train.eval_every=2",
          "--config.train.progress=False", "--config.train.samples=0"]
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("tfds"))
+def data_dir(session_tfds_dir):
+    return session_tfds_dir  # the Shakespeare build is shared with the worker's other runs
 
 
 def launch(workdir, *overrides, data_dir, n=2, devices=4, heartbeat=10):

@@ -12,10 +12,14 @@ import pytest
 from icml_jax.config_utils import REPO_ROOT
 from tests.train.helpers import env, main_cmd, run_main, train_losses
 
+# long multi-device / multi-process runs in subprocesses: one xdist worker takes all of them,
+# first, while the other runs in-process tests (tests/README.md)
+pytestmark = pytest.mark.xdist_group("heavy_subprocesses")
+
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("tfds"))
+def data_dir(session_tfds_dir):
+    return session_tfds_dir  # the Shakespeare build is shared with the worker's other runs
 
 
 def test_sigkill_mid_training_resumes_exactly(tmp_path, data_dir):
@@ -55,6 +59,7 @@ _SHARDED_SCRIPT = r"""
 import json, sys, jax
 from icml_jax.config_utils import load_config
 from icml_jax.train import trainer
+
 c = load_config("configs/lm.py:tiny", unlocked=True)
 c.train.samples = 0
 c.train.steps = 12
