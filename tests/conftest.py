@@ -15,6 +15,7 @@
 """
 import os
 import shutil
+import time
 
 import pytest
 
@@ -23,6 +24,20 @@ from tests import jax_env
 COMPILATION_CACHE, _OWN_CACHE = jax_env.configure()
 
 from icml_jax.config_utils import load_config  # noqa: E402  (after the XLA/cache environment)
+
+
+BUDGET_SECONDS = 12 * 60  # `make test` on 2 cores (tests/README.md)
+_STARTED = time.time()
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if hasattr(config, "workerinput"):
+        return
+    took = time.time() - _STARTED
+    terminalreporter.write_line(
+        f"test session: {took:.0f} s of the {BUDGET_SECONDS} s budget of `make test` on 2 cores"
+        + ("" if took <= BUDGET_SECONDS else " -- OVER BUDGET: see tests/README.md"),
+        red=took > BUDGET_SECONDS, green=took <= BUDGET_SECONDS)
 
 
 def pytest_unconfigure(config):
