@@ -16,6 +16,9 @@ from icml_jax.train import checkpoint as ckpt_lib
 from icml_jax.train.optimizer import make_optimizer
 from icml_jax.train.trainer import TrainState, _config_dict
 
+# the module's workdir fixture is built once, on one xdist worker
+pytestmark = pytest.mark.xdist_group("sample_cli_workdir")
+
 
 def _cli(*args):
     return subprocess.run([sys.executable, "-m", "icml_jax.sample", *args], cwd=REPO_ROOT,
@@ -31,9 +34,10 @@ def workdir(tmp_path_factory):
         json.dump(_config_dict(config), f, indent=2)
     tx = make_optimizer(config.train)
     ckpt = ckpt_lib.Checkpointer(str(wd / "checkpoints"), async_save=False)
+    init = jax.jit(lambda key: nn.meta.unbox(build_model(config.model).init(
+        key, jnp.zeros((1, 8), jnp.int32))["params"]))  # unboxed, as the trainer stores them
     for step in (1, 2):
-        params = nn.meta.unbox(build_model(config.model).init(
-            jax.random.key(step), jnp.zeros((1, 8), jnp.int32))["params"])  # as the trainer stores them
+        params = init(jax.random.key(step))
         state = TrainState(jnp.asarray(step, jnp.int32), params, tx.init(params),
                            jax.random.key_data(jax.random.key(0)))
         ckpt.save(step, state, None, _config_dict(config))
