@@ -219,9 +219,15 @@ def _model(tiny_config, activation="relu_glu", scan=False, init_std=0.02):
     toks = jax.random.randint(jax.random.key(0), (B, T), 0, 256)
     seg = jnp.ones((B, T), jnp.int32).at[0, 20:].set(0).at[1, 10:].set(2)
     pos = jnp.broadcast_to(jnp.arange(T), (B, T))
-    params = nn.meta.unbox(m.init(jax.random.key(1), toks)["params"])
+    params = nn.meta.unbox(jax.jit(m.init)(jax.random.key(1), toks)["params"])
     batch = dict(inputs=toks, targets=jnp.roll(toks, -1, 1), positions=pos, segment_ids=seg)
     return m, params, batch
+
+
+def _dense_logits(m, params, batch):
+    """The model's logits on ``batch``, compiled (one program, not one per op)."""
+    return jax.jit(lambda p, *args: m.apply({"params": p}, *args))(
+        params, batch["inputs"], batch["positions"], batch["segment_ids"])
 
 
 def _stack_layers(params, L):
@@ -262,8 +268,8 @@ def test_sparse_pass_at_zero_is_dense(tiny_config, scan):
     """§5.4: all thresholds 0 => bit-identical logits; the kept ratio is 1 for SiLU."""
     m, params, batch = _model(tiny_config, "swiglu", scan)
     args = batch["inputs"], batch["positions"], batch["segment_ids"]
-    dense = m.apply({"params": params}, *args)
-    sparse = S.sparse_logits(m, params, [0.0, 0.0], *args)
+    dense = _dense_logits(m, params, batch)
+    sparse = jax.jit(S.sparse_logits, static_argnums=0)(m, params, [0.0, 0.0], *args)
     np.testing.assert_array_equal(np.asarray(dense), np.asarray(sparse))
     assert S.activation_ratio(m, params, [0.0, 0.0], [batch]) == 1.0
 
@@ -275,7 +281,8 @@ def test_sparse_ratio_matches_threshold_rule(tiny_config, scan):
     m, params, batch = _model(tiny_config, "swiglu", scan)
     (a0, w0), _ = S.collect_mlp(m, params, batch)
     t0 = float(np.quantile(S.neuron_output_norms(a0, w0), 0.6))
-    logits, keeps = S.sparse_apply(m, params, [t0, 0.0], batch["inputs"], batch["positions"], batch["segment_ids"])
+    logits, keeps = jax.jit(S.sparse_apply, static_argnums=0)(
+        m, params, [t0, 0.0], batch["inputs"], batch["positions"], batch["segment_ids"])
     keep0 = np.asarray(keeps[0][0] if scan else keeps[0]).reshape(-1, a0.shape[1])[np.asarray(batch["segment_ids"]).reshape(-1) > 0]
     np.testing.assert_array_equal(keep0, ~(np.abs(a0) < np.float32(t0) / np.linalg.norm(w0, axis=1)))
 
@@ -283,7 +290,7 @@ def test_sparse_ratio_matches_threshold_rule(tiny_config, scan):
 def test_cett_ppl_search_properties(tiny_config):
     """§5.5: terminates with upper - lower <= tol; rho(lower) < 1 + p/100 <= rho(upper)."""
     m, params, batch = _model(tiny_config, "relu_glu", init_std=0.3)
-    logits = m.apply({"params": params}, batch["inputs"], batch["positions"], batch["segment_ids"])
+    logits = _dense_logits(m, params, batch)
     batch["targets"] = jnp.argmax(logits, -1)  # the dense model is right: sparsity must cost PPL
     p = 1.0
     res = S.cett_ppl_search(m, params, [batch], p=p)

@@ -70,7 +70,8 @@ def _hf_logits(model, tokens):
 
 
 def _our_logits(model_cfg, params, tokens):
-    return np.asarray(build_model(model_cfg).apply({"params": params}, jnp.asarray(tokens)))
+    model = build_model(model_cfg)  # compiled: one program, not one per op
+    return np.asarray(jax.jit(lambda p, t: model.apply({"params": p}, t))(params, jnp.asarray(tokens)))
 
 
 @pytest.fixture(scope="module")

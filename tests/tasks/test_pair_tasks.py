@@ -16,6 +16,9 @@ from icml_jax.train.trainer import train_and_evaluate
 
 from tests.tasks.helpers import synthetic_pairs as _pairs
 
+# every test reads the module's SFT run (the `setup` fixture): one xdist worker builds it once
+pytestmark = pytest.mark.xdist_group("pair_tasks_sft")
+
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
@@ -44,24 +47,26 @@ def _batch(task, n=8):
 
 
 def _sgd_moves_and_learns(task, steps=12, lr=3e-3):
+    """(per-step losses, largest parameter change) of ``steps`` Adam steps on one batch from the
+    SFT params; the whole loop is one compiled program (a scan), so it compiles once."""
     params, _ = restore_model_params(task.config.train.init_from, task.config.model)
-    b = _batch(task)
     tx = optax.adam(lr)
-    opt = tx.init(params)
 
     @jax.jit
-    def step(p, o):
-        (ls, n), g = jax.value_and_grad(lambda q: task.loss(q, b)[:2], has_aux=True)(p)
-        u, o = tx.update(g, o, p)
-        return optax.apply_updates(p, u), o, ls / n
+    def run(p0, b):
+        def step(carry, _):
+            p, o = carry
+            (ls, n), g = jax.value_and_grad(lambda q: task.loss(q, b)[:2], has_aux=True)(p)
+            u, o = tx.update(g, o, p)
+            return (optax.apply_updates(p, u), o), ls / n
 
-    p, losses = params, []
-    for _ in range(steps):
-        p, opt, loss = step(p, opt)
-        losses.append(float(loss))
-    moved = max(float(jnp.max(jnp.abs(a - b_))) for a, b_ in
-                zip(jax.tree.leaves(p), jax.tree.leaves(params)))
-    return losses, moved
+        (p, _), losses = jax.lax.scan(step, (p0, tx.init(p0)), length=steps)
+        moved = jnp.max(jnp.stack([jnp.max(jnp.abs(a - a0)) for a, a0 in
+                                   zip(jax.tree.leaves(p), jax.tree.leaves(p0))]))
+        return losses, moved
+
+    losses, moved = run(params, _batch(task))
+    return np.asarray(losses).tolist(), float(moved)
 
 
 def test_reward_model_trains_and_initialises_from_sft(setup, tmp_path):
@@ -88,12 +93,16 @@ def test_reward_model_bsr_is_per_shard(setup):
     c = _config("reward_model", setup, bsr_lambda=0.05)
     task = TASKS.get("reward_model")(c)
     b = _batch(task)
-    params = nn.meta.unbox(task.init_params(jax.random.key(0), b))
     task.num_shards = 2  # as if the 8 rows sat on 2 data shards
-    lsum, n, m = task.loss(params, b)
-    r, _ = task.apply(params, b["tokens"].reshape(16, -1), b["positions"].reshape(16, -1),
-                      b["segment_ids"].reshape(16, -1), b["lengths"].reshape(16))
-    r = r.reshape(8, 2)
+
+    @jax.jit
+    def loss_and_rewards(b):
+        params = nn.meta.unbox(task.init_params(jax.random.key(0), b))
+        r, _ = task.apply(params, b["tokens"].reshape(16, -1), b["positions"].reshape(16, -1),
+                          b["segment_ids"].reshape(16, -1), b["lengths"].reshape(16))
+        return task.loss(params, b), r.reshape(8, 2)
+
+    (lsum, n, m), r = loss_and_rewards(b)
     want = bsr_penalty(r[:, 0], r[:, 1], bsr_lambda=0.05, num_shards=2, per_device_batch=4)
     np.testing.assert_allclose(m["loss/bsr"] / n, want, rtol=1e-5)
     glob = bsr_penalty(r[:, 0], r[:, 1], bsr_lambda=0.05, reduce="global", per_device_batch=4)
@@ -103,11 +112,16 @@ def test_reward_model_bsr_is_per_shard(setup):
 def test_cached_reference_logps_equal_recomputed(setup):
     task = TASKS.get("preference")(_config("dpo", setup))
     ref, _ = restore_model_params(setup["sft"], task.config.model)
+
+    @jax.jit
+    def token_logps(t, positions, segment_ids, response_mask):
+        logits = task.model.apply({"params": ref}, t, positions, segment_ids)
+        return response_token_logps(logits, t, response_mask)
+
     for arrays in (task.train_arrays, task.eval_arrays):
         t = arrays["tokens"].reshape(-1, arrays["tokens"].shape[-1])
         f = lambda k: arrays[k].reshape(t.shape)  # noqa: E731
-        logits = task.model.apply({"params": ref}, t, f("positions"), f("segment_ids"))
-        want = response_token_logps(logits, t, f("response_mask"))
+        want = token_logps(t, f("positions"), f("segment_ids"), f("response_mask"))
         np.testing.assert_allclose(arrays["ref_logps"].reshape(t.shape), want, rtol=1e-5, atol=1e-6)
         assert np.all(arrays["ref_logps"][arrays["response_mask"] == 0] == 0)
         assert np.any(arrays["ref_logps"] < 0)
@@ -128,9 +142,14 @@ def test_gradients_reach_only_the_policy(setup):
     task = TASKS.get("preference")(_config("dpo", setup))
     params, _ = restore_model_params(setup["sft"], task.config.model)
     b = _batch(task)
-    g_ref = jax.grad(lambda r: task.loss(params, {**b, "ref_logps": r})[0])(b["ref_logps"])
+
+    @jax.jit
+    def grads(params, b):  # of the loss sum w.r.t. the cached reference log-probs, and the policy
+        g_ref = jax.grad(lambda r: task.loss(params, {**b, "ref_logps": r})[0])(b["ref_logps"])
+        return g_ref, jax.grad(lambda p: task.loss(p, b)[0])(params)
+
+    g_ref, g = grads(params, b)
     assert np.all(np.asarray(g_ref) == 0)
-    g = jax.grad(lambda p: task.loss(p, b)[0])(params)
     assert max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(g)) > 0
 
 
@@ -146,9 +165,13 @@ def test_dpo_then_tgdpo_end_to_end(setup, tmp_path):
     params, _ = restore_model_params(setup["sft"], c.model)
     b = _batch(tg)
     assert np.any(np.asarray(b["guide_logps"]) != np.asarray(b["ref_logps"]))
-    tg.config.loss.tgdpo_alpha = 0.0
-    l0 = tg.loss(params, b)[0]
-    ld = dpo.loss(params, {k: v for k, v in b.items() if k != "guide_logps"})[0]
+    tg.config.loss.tgdpo_alpha = 0.0  # read when the losses are traced, below
+
+    @jax.jit
+    def tgdpo_and_dpo_losses(p, b):
+        return tg.loss(p, b)[0], dpo.loss(p, {k: v for k, v in b.items() if k != "guide_logps"})[0]
+
+    l0, ld = tgdpo_and_dpo_losses(params, b)
     np.testing.assert_allclose(l0, ld, rtol=1e-6)
     tg.config.loss.tgdpo_alpha = 0.5
     losses, moved = _sgd_moves_and_learns(tg)
@@ -186,11 +209,16 @@ def test_implicit_prm_ce_task(setup, tmp_path):
     assert task.train_arrays["label"].tolist() == [1.0, 0.0] * 32
     b = _batch(task)
     params, _ = restore_model_params(setup["sft"], c.model)
+
+    @jax.jit
+    def loss_and_ref_grad(params, b):
+        g = jax.grad(lambda r: task.loss(params, {**b, "ref_logps": r})[0])(b["ref_logps"])
+        return task.loss(params, b), g
+
+    (lsum, n, m), g = loss_and_ref_grad(params, b)
     # pi = ref at the start: every reward is 0 and the CE loss is log 2
-    lsum, n, m = task.loss(params, b)
     np.testing.assert_allclose(lsum / n, np.log(2), rtol=1e-5)
     # the cached reference is frozen
-    g = jax.grad(lambda r: task.loss(params, {**b, "ref_logps": r})[0])(b["ref_logps"])
     assert np.all(np.asarray(g) == 0)
     losses, moved = _sgd_moves_and_learns(task, lr=3e-3)
     assert moved > 1e-4 and losses[-1] < losses[0] - 1e-3, losses
