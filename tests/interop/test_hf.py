@@ -22,6 +22,9 @@ from icml_jax.interop import load_hf, load_hf_tokenizer, save_hf  # noqa: E402
 from icml_jax.models import build_model  # noqa: E402
 from tests.jax_env import subprocess_env
 
+# the module's saved HF models (and the torch/transformers import) are built on one xdist worker
+pytestmark = pytest.mark.xdist_group("hf_interop")
+
 V, T = 128, 16
 SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=V, intermediate_size=96, max_position_embeddings=64, rms_norm_eps=1e-5)
