@@ -71,13 +71,14 @@ def test_changing_a_later_token_leaves_earlier_step_rewards(tiny_model):
     ends, mask, first = jnp.array([[5, 9, 15]]), jnp.ones((1, 3)), jnp.array([2])
     full = jnp.ones((1, 16), jnp.int32)
 
-    def step_r(t):
+    @jax.jit  # one compiled program for both token rows (eagerly every op compiles on its own)
+    def step_r(p_pol, p_ref, t):
         lp = lambda p: response_token_logps(model.apply({"params": p}, t), t, full)  # noqa: E731
         lr = ip.token_log_ratios(lp(p_pol), lp(p_ref), first)
         return ip.step_rewards(ip.prefix_values(lr, ends, mask, BETA), mask)
 
-    base = step_r(tokens)
-    changed = step_r(tokens.at[0, 12].set(7))  # a token of step 3
+    base = step_r(p_pol, p_ref, tokens)
+    changed = step_r(p_pol, p_ref, tokens.at[0, 12].set(7))  # a token of step 3
     np.testing.assert_allclose(changed[0, :2], base[0, :2], rtol=1e-6, atol=1e-7)
     assert abs(float(changed[0, 2] - base[0, 2])) > 1e-6
 
@@ -86,7 +87,7 @@ def test_changing_a_later_token_leaves_earlier_step_rewards(tiny_model):
 def tiny_model():
     c = load_config("configs/lm.py:tiny")
     model = build_model(c.model)
-    init = lambda k: model.init(k, jnp.zeros((1, 16), jnp.int32))["params"]  # noqa: E731
+    init = jax.jit(lambda k: model.init(k, jnp.zeros((1, 16), jnp.int32))["params"])
     from flax.linen import meta
     return model, meta.unbox(init(jax.random.key(0))), meta.unbox(init(jax.random.key(1)))
 

@@ -1,4 +1,7 @@
 """Decoder: shapes, causality through gradients, packing isolation, params, variants."""
+import functools
+import math
+
 import chex
 import flax.linen as nn
 import jax
@@ -13,11 +16,30 @@ from icml_jax.models import build_model
 from icml_jax.models.positions import apply_rotary, rope_inv_freq
 
 
+# Init, forward and gradients run under jit: eagerly every primitive compiles on its own, which
+# costs far more CPU than one compiled program. Models are hashable (a frozen config inside), so
+# they are static arguments and equal models share one compiled program across tests.
+
 def _init(cfg, B=2, T=16, seed=0):
     model = build_model(cfg.model)
     tokens = jax.random.randint(jax.random.key(seed), (B, T), 0, cfg.model.vocab_size)
-    params = nn.meta.unbox(model.init(jax.random.key(1), tokens)["params"])
+    params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(1), tokens)["params"])
     return model, params, tokens
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(model, params, tokens):
+    return model.apply({"params": params}, tokens)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _grad_of_sum(model, params, tokens):
+    return jax.grad(lambda p: model.apply({"params": p}, tokens).sum())(params)
+
+
+@jax.jit
+def _stack_layers(layers):
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
 
 
 class DecoderTest(chex.TestCase):
@@ -47,9 +69,10 @@ def test_causality_through_gradients(tiny_config):
         p["io"]["embedding"] = vocab
         return model.apply({"params": p}, jnp.arange(x_TD.shape[0])[None])[0, t].sum()
 
+    grad_at = jax.jit(jax.grad(logit_at))  # t is traced: one program for every position
     x = emb[tokens[0]]
     for t in (0, 5, 11):
-        g = jax.grad(logit_at)(x, t)
+        g = grad_at(x, t)
         norms = np.linalg.norm(np.asarray(g), axis=-1)
         assert np.all(norms[t + 1:] == 0.0), f"future tokens influence position {t}: {norms}"
         assert np.all(norms[: t + 1] > 0.0), f"past tokens do not influence position {t}: {norms}"
@@ -58,8 +81,9 @@ def test_causality_through_gradients(tiny_config):
 @pytest.mark.parametrize("tie", [True, False])
 def test_param_count_formula(tiny_config, tie):
     tiny_config.model.tie_embeddings = tie
-    _, params, _ = _init(tiny_config)
-    n = sum(x.size for x in jax.tree.leaves(params))
+    model = build_model(tiny_config.model)  # the count needs only the shapes
+    shapes = jax.eval_shape(model.init, jax.random.key(1), jnp.zeros((2, 16), jnp.int32))
+    n = sum(math.prod(x.shape) for x in jax.tree.leaves(nn.meta.unbox(shapes["params"])))
     assert n == param_count(tiny_config.model)
 
 
@@ -74,20 +98,20 @@ def test_every_leaf_has_logical_axes(tiny_config):
 def test_scan_and_remat_match_plain_loop(tiny_config, scan, remat):
     """Scanned / rematerialised layers compute the same function as the plain layer loop."""
     model, params, tokens = _init(tiny_config)
-    base = model.apply({"params": params}, tokens)
+    base = _forward(model, params, tokens)
     c2 = tiny_config.copy_and_resolve_references()
     c2.model.scan_layers, c2.model.remat = scan, remat
     m2 = build_model(c2.model)
     if scan:  # stack the per-layer params along a leading axis
         L = tiny_config.model.num_layers
         layers = [params[f"layer_{i}"] for i in range(L)]
-        p2 = {"io": params["io"], "layers": jax.tree.map(lambda *xs: jnp.stack(xs), *layers)}
+        p2 = {"io": params["io"], "layers": _stack_layers(layers)}
     else:
         p2 = params
-    out = m2.apply({"params": p2}, tokens)
+    out = _forward(m2, p2, tokens)
     chex.assert_trees_all_close(out, base, atol=1e-5)
-    g1 = jax.grad(lambda p: model.apply({"params": p}, tokens).sum())(params)
-    g2 = jax.grad(lambda p: m2.apply({"params": p}, tokens).sum())(p2)
+    g1 = _grad_of_sum(model, params, tokens)
+    g2 = _grad_of_sum(m2, p2, tokens)
     chex.assert_trees_all_close(g1["io"], g2["io"], atol=1e-4)
 
 
@@ -95,10 +119,10 @@ def test_bfloat16_compute_keeps_float32_logits(tiny_config):
     tiny_config.model.dtype = "bfloat16"
     model, params, tokens = _init(tiny_config)
     chex.assert_type(jax.tree.leaves(params), jnp.float32)
-    logits = model.apply({"params": params}, tokens)
+    logits = _forward(model, params, tokens)
     chex.assert_type(logits, jnp.float32)
     tiny_config.model.dtype = "float32"
-    ref = build_model(tiny_config.model).apply({"params": params}, tokens)
+    ref = _forward(build_model(tiny_config.model), params, tokens)
     diff = float(jnp.max(jnp.abs(logits - ref)))
     assert 0.0 < diff < 0.1, diff  # bf16 really was used for compute, and stays close to fp32
 
@@ -108,10 +132,11 @@ def test_rope_scores_depend_only_on_relative_position():
     r = np.random.RandomState(0)
     q, k = r.randn(1, 1, 1, K).astype(np.float32), r.randn(1, 1, 1, K).astype(np.float32)
     inv = rope_inv_freq(K, 10000.0)
+    rotate = jax.jit(apply_rotary)  # positions are traced: one program for every call
 
     def score(i, j):
-        qi = apply_rotary(jnp.asarray(q), jnp.array([[i]]), inv)
-        kj = apply_rotary(jnp.asarray(k), jnp.array([[j]]), inv)
+        qi = rotate(jnp.asarray(q), jnp.array([[i]]), inv)
+        kj = rotate(jnp.asarray(k), jnp.array([[j]]), inv)
         return float(jnp.sum(qi * kj))
 
     assert abs(score(5, 2) - score(13, 10)) < 1e-4

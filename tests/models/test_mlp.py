@@ -1,4 +1,5 @@
 """models/mlp: every activation against a numpy formula, the returned acts, the sparsity hook."""
+import functools
 import math
 
 import chex
@@ -156,6 +157,13 @@ def test_topk_zero(per_token):
     assert keep_m[~mask].all() and (~keep_m[mask]).sum() == 30
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _decoder_logits(model, variables, tokens):
+    """The whole decoder jitted (eagerly its every op compiles on its own, which costs far more
+    CPU). The tiny MLPs above stay eager: there the per-op compiles are shared by all tests."""
+    return model.apply(variables, tokens)
+
+
 @pytest.mark.parametrize("scan", [False, True])
 def test_decoder_hook_scan_and_loop(tiny_config, scan):
     """Through the decoder: thresholds 0 => bit-identical logits; a per-layer [L] threshold under
@@ -163,11 +171,11 @@ def test_decoder_hook_scan_and_loop(tiny_config, scan):
     tiny_config.model.mlp.activation = "relu_glu"
     model = build_model(tiny_config.model)
     tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 256)
-    params = nn.meta.unbox(model.init(jax.random.key(1), tokens)["params"])
+    params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(1), tokens)["params"])
     L = tiny_config.model.num_layers
     th = [0.002, 0.004][:L]
     loop_sp = {f"layer_{i}": {"mlp": {"threshold": jnp.float32(th[i])}} for i in range(L)}
-    base = model.apply({"params": params, "sparsity": loop_sp}, tokens)
+    base = _decoder_logits(model, {"params": params, "sparsity": loop_sp}, tokens)
     if scan:
         tiny_config.model.scan_layers = True
         model = build_model(tiny_config.model)
@@ -177,10 +185,11 @@ def test_decoder_hook_scan_and_loop(tiny_config, scan):
     else:
         sp = loop_sp
         zero = {f"layer_{i}": {"mlp": {"threshold": jnp.float32(0)}} for i in range(L)}
-    dense = model.apply({"params": params}, tokens)
-    np.testing.assert_array_equal(np.asarray(model.apply({"params": params, "sparsity": zero}, tokens)),
-                                  np.asarray(dense))
-    out = model.apply({"params": params, "sparsity": sp}, tokens)
+    dense = _decoder_logits(model, {"params": params}, tokens)
+    np.testing.assert_array_equal(
+        np.asarray(_decoder_logits(model, {"params": params, "sparsity": zero}, tokens)),
+        np.asarray(dense))
+    out = _decoder_logits(model, {"params": params, "sparsity": sp}, tokens)
     chex.assert_trees_all_close(out, base, atol=1e-5)
     assert float(jnp.max(jnp.abs(out - dense))) > 0  # the thresholds did zero something
 

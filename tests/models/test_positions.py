@@ -6,6 +6,7 @@ PyTorch re-implementation of the formula in specs/fope.md §2 (torch einsum + F.
 fp32 tolerance 1e-5. Then the spec's property tests (§5), RoPE relative-position invariance, ALiBi
 slopes, packed rows and KV-cache decoding at an offset for all four, and the error messages.
 """
+import functools
 import math
 import os
 
@@ -19,6 +20,7 @@ import optax
 import pytest
 
 from icml_jax.config_utils import load_config
+from icml_jax.inference.decode import init_cache
 from icml_jax.models import build_model
 from icml_jax.models import positions as P
 from icml_jax.train.optimizer import make_optimizer
@@ -37,11 +39,39 @@ def _model_cfg(position="fope", K=16, H=2, G=2, L=256, max_len=None, **fope):
     return ml_collections.FrozenConfigDict(c)
 
 
+# Tests jit what they run: eagerly, every primitive of a forward/backward pass compiles on its own,
+# which costs far more CPU than the few whole programs compiled here. Modules and frozen configs
+# are hashable, so they go in as static arguments and equal ones share one compiled program.
+
+@functools.partial(jax.jit, static_argnums=0)
+def _apply_position(module, variables, q, k, q_pos, k_pos):
+    return module.apply(variables, q, k, q_pos, k_pos)
+
+
 def _apply_fope(cfg, sin, cos, q_BTGRK, k_BSGK, q_pos, k_pos):
     params = {"sin_coef": jnp.asarray(sin), "cos_coef": jnp.asarray(cos)}
-    return P.FoPE(cfg).apply({"params": params}, q_BTGRK, k_BSGK, q_pos, k_pos)
+    return _apply_position(P.FoPE(cfg), {"params": params}, q_BTGRK, k_BSGK, q_pos, k_pos)
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(model, params, tokens, positions=None, segment_ids=None):
+    return model.apply({"params": params}, tokens, positions, segment_ids)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _decode(dec, params, cache, tokens, positions, segment_ids):
+    """One prefill or decode call of a ``decode=True`` model: (logits, updated cache). Compiled
+    once per (token count, cache size), so the per-token decode loop reuses one program."""
+    logits, m = dec.apply({"params": params, "cache": cache}, tokens, positions, segment_ids,
+                          mutable=["cache"])
+    return logits, m["cache"]
+
+
+def _init_params(model, tokens, seed):
+    return nn.meta.unbox(jax.jit(model.init)(jax.random.key(seed), tokens)["params"])
+
+
+@jax.jit
 def _scores(q_BTGRK, k_BSGK):
     return jnp.einsum("BTGRK,BSGK->BGRTS", q_BTGRK, k_BSGK)
 
@@ -124,7 +154,7 @@ def test_identity_fope_pad0_is_clipped_rope_and_relative():
     fq, fk = _apply_fope(cfg, sin, cos, q, k, pos, pos)
     rcfg = _model_cfg("rope", K=16, H=4, G=2, L=64).as_configdict()
     rcfg.rope_floor_clip = True
-    rq, rk = P.RoPE(ml_collections.FrozenConfigDict(rcfg)).apply({}, q, k, pos, pos)
+    rq, rk = _apply_position(P.RoPE(ml_collections.FrozenConfigDict(rcfg)), {}, q, k, pos, pos)
     np.testing.assert_allclose(fq, rq, atol=1e-5)
     np.testing.assert_allclose(fk, rk, atol=1e-5)
     s = np.asarray(_scores(fq, fk))[0, 0, 0]  # [T, S]
@@ -142,7 +172,7 @@ def test_identity_fope_default_pad_rotated_channels_equal_rope():
     fq, _ = _apply_fope(cfg, sin, cos, q, k, pos, pos)
     omega, _, _ = P.fope_frequencies(16, 1e4, 64)
     inv = jnp.zeros(8).at[:d_in].set(omega)
-    rq = P.apply_rotary(q, pos, inv)
+    rq = jax.jit(P.apply_rotary)(q, pos, inv)
     idx = np.r_[0:d_in, 8:8 + d_in]
     np.testing.assert_allclose(fq[..., idx], rq[..., idx], atol=1e-5)
     assert not np.allclose(fq[..., d_in:8], rq[..., d_in:8])  # pad-1 channels differ
@@ -192,8 +222,9 @@ def test_fope_init_eye_placement_and_std():
     c = _model_cfg(K=64, H=8, G=8, L=1024, init_gain=0.3).as_configdict()
     c.d_model = 512
     cfg = ml_collections.FrozenConfigDict(c)
-    v = nn.meta.unbox(P.FoPE(cfg).init(jax.random.key(0), *_rand_qk(cfg, 2),
-                                       jnp.zeros((1, 2), jnp.int32), jnp.zeros((1, 2), jnp.int32)))
+    v = nn.meta.unbox(jax.jit(P.FoPE(cfg).init)(jax.random.key(0), *_rand_qk(cfg, 2),
+                                                jnp.zeros((1, 2), jnp.int32),
+                                                jnp.zeros((1, 2), jnp.int32)))
     S, C = np.asarray(v["params"]["sin_coef"]), np.asarray(v["params"]["cos_coef"])
     assert S.shape == (8, 18, 16)
     E = np.zeros((18, 16))
@@ -217,18 +248,21 @@ def test_fope_gradient_and_optimizer_freeze(learnable):
     c.model.fope.learnable = learnable
     model = build_model(c.model)
     tok = jax.random.randint(jax.random.key(0), (2, 16), 0, 200)
-    params = nn.meta.unbox(model.init(jax.random.key(1), tok)["params"])
-    loss = lambda p: model.apply({"params": p}, tok).mean()  # noqa: E731
-    g = jax.grad(loss)(params)["layer_0"]["attn"]["position"]
-    norm = float(optax.global_norm(g))
-    assert (norm > 0) == learnable, norm
+    params = _init_params(model, tok, 1)
     c.train.weight_decay = 0.5
     tx = make_optimizer(c.train, frozen_mask=lambda p: P.frozen_param_mask(c.model, p))
-    st = tx.init(params)
-    new = params
-    for _ in range(3):
-        upd, st = tx.update(jax.grad(loss)(new), st, new)
-        new = optax.apply_updates(new, upd)
+
+    @jax.jit
+    def step(p, st):  # also returns the gradient at p: one compiled program for both checks
+        g = jax.grad(lambda p: model.apply({"params": p}, tok).mean())(p)
+        upd, st = tx.update(g, st, p)
+        return optax.apply_updates(p, upd), st, g
+
+    new, st, g = step(params, jax.jit(tx.init)(params))
+    norm = float(optax.global_norm(g["layer_0"]["attn"]["position"]))
+    assert (norm > 0) == learnable, norm
+    for _ in range(2):
+        new, st, _ = step(new, st)
     moved = not np.allclose(new["layer_0"]["attn"]["position"]["sin_coef"],
                             params["layer_0"]["attn"]["position"]["sin_coef"])
     assert moved == learnable
@@ -241,22 +275,22 @@ def test_fope_context_extension(fresh):
     c = load_config("configs/lm.py:tiny", unlocked=True)
     c.model.position, c.model.head_dim, c.model.max_seq_len = "fope", 64, 512
     c.model.train_seq_len = 128
-    model = build_model(c.model)
-    params = nn.meta.unbox(model.init(jax.random.key(1), jnp.zeros((1, 8), jnp.int32))["params"])
+    params = _init_params(build_model(c.model), jnp.zeros((1, 8), jnp.int32), 1)
     c.model.train_seq_len = 1024
     c.model.max_seq_len = 1024
-    new = P.extend_fope_params(params, c.model, jax.random.key(2), fresh_init=fresh)
+    new = jax.jit(lambda p, key: P.extend_fope_params(p, c.model, key, fresh_init=fresh))(
+        params, jax.random.key(2))
     old_s = params["layer_1"]["attn"]["position"]["sin_coef"]
-    new_s = new["layer_1"]["attn"]["position"]["sin_coef"]
+    new_s = np.asarray(new["layer_1"]["attn"]["position"]["sin_coef"])
     assert old_s.shape == (2, 11, 11) and new_s.shape == (2, 18, 16)
     np.testing.assert_array_equal(new_s[:, :11, :11], old_s)
-    rest = np.asarray(new_s).copy()
+    rest = new_s.copy()
     rest[:, :11, :11] = 0
     assert (np.abs(rest).sum() > 0) == fresh
     if fresh:
         assert rest[:, 12, 6].tolist() == pytest.approx([1.0, 1.0], abs=0.2)  # step eye (12, 6)
     np.testing.assert_array_equal(new["layer_1"]["attn"]["qkv"], params["layer_1"]["attn"]["qkv"])
-    out = build_model(c.model).apply({"params": new}, jnp.zeros((1, 600), jnp.int32))
+    out = _forward(build_model(c.model), new, jnp.zeros((1, 600), jnp.int32))
     chex.assert_tree_all_finite(out)
 
 
@@ -271,11 +305,11 @@ def test_rope_scores_depend_only_on_offset(clip):
     T = 30
     q, k = jnp.tile(q, (1, T, 1, 1, 1)), jnp.tile(k, (1, T, 1, 1))
     pos = jnp.arange(T)[None]
-    s = np.asarray(_scores(*rope.apply({}, q, k, pos, pos)))[0, 0, 0]
+    s = np.asarray(_scores(*_apply_position(rope, {}, q, k, pos, pos)))[0, 0, 0]
     for d in (0, 1, 7, 20):
         diag = np.diagonal(s, offset=-d)
         np.testing.assert_allclose(diag, diag[0], atol=1e-4)
-    s2 = np.asarray(_scores(*rope.apply({}, q, k, pos + 100, pos + 100)))[0, 0, 0]
+    s2 = np.asarray(_scores(*_apply_position(rope, {}, q, k, pos + 100, pos + 100)))[0, 0, 0]
     np.testing.assert_allclose(s2, s, atol=1e-3)
     inv = np.asarray(rope.apply({}, 16, method=P.RoPE.inv_freq))
     full = 1e4 ** (-np.arange(0, 16, 2) / 16)
@@ -307,14 +341,16 @@ def test_alibi_bias_layout():
 
 # ----------------------------------------------------------------------------- all four methods
 
+@functools.cache  # read-only: shared by the packing, KV-cache and methods-differ tests
 def _lm(position, seed=0):
     c = load_config("configs/lm.py:tiny", unlocked=True).model
     c.position, c.head_dim, c.train_seq_len, c.max_seq_len = position, 16, 32, 64
+    c = ml_collections.FrozenConfigDict(c)
     model = build_model(c)
-    params = nn.meta.unbox(model.init(jax.random.key(seed), jnp.zeros((1, 8), jnp.int32))["params"])
+    params = _init_params(model, jnp.zeros((1, 8), jnp.int32), seed)
     # larger weights than init -> position effects are visible in the logits
-    params = jax.tree_util.tree_map_with_path(
-        lambda p, x: x if "position" in jax.tree_util.keystr(p) else x * 3.0, params)
+    params = jax.jit(lambda ps: jax.tree_util.tree_map_with_path(
+        lambda p, x: x if "position" in jax.tree_util.keystr(p) else x * 3.0, ps))(params)
     return c, model, params
 
 
@@ -326,13 +362,13 @@ def test_packed_rows_equal_documents_alone(position):
     row = np.concatenate([a, b])[None]
     seg = np.array([[1] * 7 + [2] * 11])
     pos = np.array([list(range(7)) + list(range(11))])
-    packed = model.apply({"params": params}, row, pos, seg)[0]
-    chex.assert_trees_all_close(packed[:7], model.apply({"params": params}, a[None])[0], atol=1e-5)
-    chex.assert_trees_all_close(packed[7:], model.apply({"params": params}, b[None])[0], atol=1e-5)
+    packed = _forward(model, params, row, pos, seg)[0]
+    chex.assert_trees_all_close(packed[:7], _forward(model, params, a[None])[0], atol=1e-5)
+    chex.assert_trees_all_close(packed[7:], _forward(model, params, b[None])[0], atol=1e-5)
     # changing the first document leaves the second one's logits untouched
     row2 = row.copy()
     row2[0, :7] = r.randint(3, 259, 7)
-    packed2 = model.apply({"params": params}, row2, pos, seg)[0]
+    packed2 = _forward(model, params, row2, pos, seg)[0]
     chex.assert_trees_all_close(packed2[7:], packed[7:], atol=1e-6)
     assert not np.allclose(packed2[:7], packed[:7])
 
@@ -344,27 +380,25 @@ def test_kv_cache_decoding_at_offset_equals_full_forward(position):
     cache with a stale other-document prefix in front (segment 2 at slots 0..2)."""
     c, model, params = _lm(position)
     T, off, pre = 14, 9, 5
-    tok = jax.random.randint(jax.random.key(4), (1, T), 3, 259)
-    pos = off + jnp.arange(T)[None]
-    full = model.apply({"params": params}, tok, pos)
+    # numpy inputs: slicing them per step compiles nothing
+    tok = np.asarray(jax.random.randint(jax.random.key(4), (1, T), 3, 259))
+    pos = off + np.arange(T)[None]
+    full = _forward(model, params, tok, pos)
     dec = build_model(c, decode=True)
     for lead in (0, 3):
-        cache = dec.init(jax.random.key(0), jnp.zeros((1, lead + T), jnp.int32))["cache"]
+        cache = init_cache(dec, 1, lead + T)
         outs = []
         if lead:
-            _, m = dec.apply({"params": params, "cache": cache}, tok[:, :lead], jnp.arange(lead)[None],
-                             jnp.full((1, lead), 2), mutable=["cache"])
-            cache = m["cache"]
-        logits, m = dec.apply({"params": params, "cache": cache}, tok[:, :pre], pos[:, :pre],
-                              jnp.ones((1, pre), jnp.int32), mutable=["cache"])
+            _, cache = _decode(dec, params, cache, tok[:, :lead], jnp.arange(lead)[None],
+                               jnp.full((1, lead), 2))
+        logits, cache = _decode(dec, params, cache, tok[:, :pre], pos[:, :pre],
+                                jnp.ones((1, pre), jnp.int32))
         outs.append(logits)
-        cache = m["cache"]
         for t in range(pre, T):
-            logits, m = dec.apply({"params": params, "cache": cache}, tok[:, t:t + 1],
-                                  pos[:, t:t + 1], jnp.ones((1, 1), jnp.int32), mutable=["cache"])
+            logits, cache = _decode(dec, params, cache, tok[:, t:t + 1], pos[:, t:t + 1],
+                                    jnp.ones((1, 1), jnp.int32))
             outs.append(logits)
-            cache = m["cache"]
-        np.testing.assert_allclose(jnp.concatenate(outs, 1), full, atol=2e-4, rtol=2e-4)
+        np.testing.assert_allclose(np.concatenate(outs, 1), full, atol=2e-4, rtol=2e-4)
 
 
 def test_methods_differ_from_each_other():
@@ -373,7 +407,7 @@ def test_methods_differ_from_each_other():
     outs = {}
     for p in METHODS:
         _, model, params = _lm(p)
-        outs[p] = np.asarray(model.apply({"params": params}, tok))
+        outs[p] = np.asarray(_forward(model, params, tok))
     for i, a in enumerate(METHODS):
         for b in METHODS[i + 1:]:
             assert not np.allclose(outs[a], outs[b], atol=1e-3), (a, b)
