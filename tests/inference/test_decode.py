@@ -1,7 +1,13 @@
 """KV-cache decoding (icml_jax/inference/decode.py): exactness against full recomputation, left
-padding, sampling filters and statistics, stop tokens, keys, errors, HF parity."""
+padding, sampling filters and statistics, stop tokens, keys, errors, HF parity.
+
+Models and reference forwards are built once per setting (``functools.cache``) and compiled as one
+program each; tests that share a model config and generate() arguments share its compile."""
+import functools
+
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 
@@ -14,18 +20,37 @@ PROMPT = [1, 40, 51, 62, 73, 84, 95]
 
 
 def _model(position="rope", scan_layers=False, window=0, seed=0, scale=4.0):
+    """(config.model, params) of the tiny decoder (a fresh copy of the config every call)."""
+    cfg, params = _built_model(position, scan_layers, window, seed, scale)
+    return ml_collections.ConfigDict(cfg.to_dict()), params
+
+
+@functools.cache
+def _built_model(position, scan_layers, window, seed, scale):
     cfg = load_config("configs/lm.py:tiny", unlocked=True).model
     cfg.position, cfg.scan_layers, cfg.sliding_window = position, scan_layers, window
-    params = build_model(cfg).init(jax.random.key(seed), jnp.zeros((1, 8), jnp.int32))["params"]
-    # Larger weights than init_std give peaked, well-separated logits (no argmax near-ties).
-    return cfg, jax.tree.map(lambda x: x * scale, params)
+    model = build_model(cfg)
+
+    @jax.jit
+    def init(key):
+        params = model.init(key, jnp.zeros((1, 8), jnp.int32))["params"]
+        # Larger weights than init_std give peaked, well-separated logits (no argmax near-ties).
+        return jax.tree.map(lambda x: x * scale, params)
+
+    return cfg, init(jax.random.key(seed))
+
+
+@functools.cache
+def _last_logits_fn(cfg: ml_collections.FrozenConfigDict):
+    """The full (non-cached) forward's logits at slot i of row 0; i is traced (one compile)."""
+    model = build_model(cfg)
+    return jax.jit(lambda p, t, i: model.apply({"params": p}, t)[0, i])
 
 
 def _reference_greedy(cfg, params, prompt, n):
     """Greedy decoding by recomputing the full (non-cached) forward at every step, on a fixed
     right-padded buffer (causal: later slots cannot change earlier logits; one compile)."""
-    model = build_model(cfg)
-    fwd = jax.jit(lambda p, t, i: model.apply({"params": p}, t)[0, i])
+    fwd = _last_logits_fn(ml_collections.FrozenConfigDict(cfg))
     buf = np.zeros((1, len(prompt) + n), np.int32)
     buf[0, :len(prompt)] = prompt
     toks, logits = [], []
@@ -64,7 +89,7 @@ def test_cached_greedy_equals_full_forward_other_positions(position):
 @pytest.mark.parametrize("position", ["rope", "nope"])
 def test_step_logits_equal_full_forward_1e5(position):
     cfg, params = _model(position, scale=1.0)  # init-scale weights: logits of order 1
-    n = 8
+    n = 12  # as test_cached_greedy_equals_full_forward: the same generate() compile
     _, want_logits = _reference_greedy(cfg, params, PROMPT, n)
     out = generate(cfg, params, [PROMPT], key=jax.random.key(0), max_new_tokens=n, temperature=0,
                    return_logits=True)
@@ -111,7 +136,8 @@ def test_top_k_one_equals_greedy():
 def test_top_p_filter_keeps_smallest_set_with_mass_p():
     probs = np.array([0.05, 0.4, 0.1, 0.3, 0.15])  # sorted: .4 .3 .15 .1 .05
     logits = jnp.log(jnp.asarray([probs], jnp.float32))
-    kept = lambda p: (np.asarray(top_p_filter(logits, p))[0] > -1e29).nonzero()[0].tolist()
+    filt = jax.jit(top_p_filter)  # p traced: one compile for every p
+    kept = lambda p: (np.asarray(filt(logits, p))[0] > -1e29).nonzero()[0].tolist()
     assert kept(0.3) == [1]  # the top token alone already has mass 0.4 >= 0.3
     assert kept(0.4) == [1]
     assert kept(0.5) == [1, 3]  # .4 < .5, .4 + .3 >= .5
@@ -120,15 +146,20 @@ def test_top_p_filter_keeps_smallest_set_with_mass_p():
     assert kept(0.86) == [1, 2, 3, 4]
     assert kept(1.0) == [0, 1, 2, 3, 4]
     # kept logits are unchanged
-    np.testing.assert_array_equal(np.asarray(top_p_filter(logits, 0.5))[0, [1, 3]],
+    np.testing.assert_array_equal(np.asarray(filt(logits, 0.5))[0, [1, 3]],
                                   np.asarray(logits)[0, [1, 3]])
 
 
 def test_top_k_filter():
     logits = jnp.asarray([[0.1, 3.0, -1.0, 2.0, 0.5], [5.0, 4.0, 3.0, 2.0, 1.0]], jnp.float32)
-    kept = np.asarray(top_k_filter(logits, 2)) > -1e29
+    filt = jax.jit(top_k_filter)  # k traced: one compile for every k
+    kept = np.asarray(filt(logits, 2)) > -1e29
     assert kept[0].nonzero()[0].tolist() == [1, 3] and kept[1].nonzero()[0].tolist() == [0, 1]
-    assert (np.asarray(top_k_filter(logits, 5)) > -1e29).all()
+    assert (np.asarray(filt(logits, 5)) > -1e29).all()
+
+
+# sample_logits as generate() runs it: one program per sampler mode (the temperature is traced)
+_sample = jax.jit(sample_logits, static_argnums=2)
 
 
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
@@ -136,7 +167,7 @@ def test_temperature_sampling_distribution(temperature):
     logits = jnp.asarray([1.0, 2.0, 0.0, -1.0, 1.5], jnp.float32)
     n = 40_000
     mode = decode.SamplerMode(greedy=False, use_top_k=False, use_top_p=False)
-    toks = sample_logits(jax.random.key(42), jnp.tile(logits, (n, 1)), mode, temperature, 0, 1.0)
+    toks = _sample(jax.random.key(42), jnp.tile(logits, (n, 1)), mode, temperature, 0, 1.0)
     freq = np.bincount(np.asarray(toks), minlength=5) / n
     want = np.asarray(jax.nn.softmax(logits / temperature))
     np.testing.assert_allclose(freq, want, atol=0.015)  # ~5 sigma at n = 40k
@@ -145,8 +176,7 @@ def test_temperature_sampling_distribution(temperature):
 def test_top_p_sampling_stays_in_nucleus():
     logits = jnp.log(jnp.asarray([0.05, 0.4, 0.1, 0.3, 0.15], jnp.float32))
     mode = decode.SamplerMode(greedy=False, use_top_k=False, use_top_p=True)
-    toks = np.asarray(sample_logits(jax.random.key(0), jnp.tile(logits, (20_000, 1)), mode, 1.0, 0,
-                                    0.6))
+    toks = np.asarray(_sample(jax.random.key(0), jnp.tile(logits, (20_000, 1)), mode, 1.0, 0, 0.6))
     freq = np.bincount(toks, minlength=5) / toks.size
     assert set(np.unique(toks).tolist()) == {1, 3}
     np.testing.assert_allclose(freq[[1, 3]], [4 / 7, 3 / 7], atol=0.02)  # renormalised

@@ -22,7 +22,7 @@ def _mlp(activation, compare="lt"):
         mlp=dict(activation=activation, sparse_compare=compare)))
     module = ACTIVATIONS.get(activation)(ml_collections.FrozenConfigDict(cfg))
     x = jax.random.normal(jax.random.key(1), (1, 1, D))
-    params = nn.meta.unbox(module.init(jax.random.key(0), x)["params"])
+    params = nn.meta.unbox(jax.jit(module.init)(jax.random.key(0), x)["params"])
     return module, params, x
 
 
@@ -30,8 +30,19 @@ def _reference(module, params, x, t, gate_threshold=None):
     sp = {"threshold": jnp.float32(t)}
     if gate_threshold is not None:
         sp["gate_threshold"] = jnp.float32(gate_threshold)
-    (y, acts), mut = module.apply({"params": params, "sparsity": sp}, x, mutable=["intermediates"])
+    return _masked_dense(module, params, sp, x)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _masked_dense(module, params, sparsity, x):
+    """The masked dense MLP (thresholds traced: one compile per module and tree structure)."""
+    (y, acts), mut = module.apply({"params": params, "sparsity": sparsity}, x, mutable=["intermediates"])
     return y[0, 0], acts[0, 0], mut["intermediates"]["mlp_keep"][0][0, 0] > 0
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _dense(module, params, x):
+    return module.apply({"params": params}, x)[0][0, 0]
 
 
 def _threshold_keeping(acts_F, w_FD, frac):
@@ -51,7 +62,7 @@ class SparseFFNTest(parameterized.TestCase):
         _, acts, _ = _reference(module, params, x, 0.0)
         t = _threshold_keeping(acts, params["wo"], frac)
         y_ref, _, keep_ref = _reference(module, params, x, t)
-        y_dense = module.apply({"params": params}, x)[0][0, 0]
+        y_dense = _dense(module, params, x)
         assert float(jnp.abs(y_ref - y_dense).max()) > 1e-3  # the mask matters: the test has teeth
         g = sf._gate_fn(activation)(w.w_gate_FD @ x[0, 0])
         n_cand = int(sf.candidates(w, x[0, 0], g, t, compare=compare).sum())
@@ -86,7 +97,7 @@ class SparseFFNTest(parameterized.TestCase):
     def test_zero_threshold_is_dense_and_relu_skips_inactive(self):
         module, params, x = _mlp("relu_glu")
         w = sf.prepare(params)
-        y_dense = module.apply({"params": params}, x)[0][0, 0]
+        y_dense = _dense(module, params, x)
         g = jax.nn.relu(w.w_gate_FD @ x[0, 0])
         active = int((g > 0).sum())
         assert active < F
@@ -144,13 +155,22 @@ N_NEW = 10
 
 
 def _lm(scan_layers, activation="relu_glu", scale=4.0):
-    """A tiny decoder (configs/lm.py:tiny) with larger-than-init weights (peaked logits)."""
+    """A tiny decoder (configs/lm.py:tiny) with larger-than-init weights (peaked logits); the
+    params are built once per setting, the config is a fresh copy every call."""
+    cfg, params = _built_lm(scan_layers, activation, scale)
+    return ml_collections.ConfigDict(cfg.to_dict()), params
+
+
+@functools.cache
+def _built_lm(scan_layers, activation, scale):
     from icml_jax.config_utils import load_config
     from icml_jax.models.decoder import build_model
     cfg = load_config("configs/lm.py:tiny", unlocked=True).model
     cfg.mlp.activation, cfg.scan_layers = activation, scan_layers
-    params = build_model(cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
-    return cfg, jax.tree.map(lambda x: x * scale, params)
+    model = build_model(cfg)
+    init = jax.jit(lambda key: jax.tree.map(lambda x: x * scale,
+                                            model.init(key, jnp.zeros((1, 8), jnp.int32))["params"]))
+    return cfg, init(jax.random.key(0))
 
 
 def _searched_thresholds(cfg, params):
@@ -161,7 +181,7 @@ def _searched_thresholds(cfg, params):
     inputs = jax.random.randint(jax.random.key(3), (2, 32), 1, cfg.vocab_size)
     batch = dict(inputs=inputs, positions=jnp.broadcast_to(jnp.arange(32), (2, 32)),
                  segment_ids=jnp.ones((2, 32), jnp.int32))
-    batch["targets"] = jnp.argmax(model.apply({"params": params}, inputs), -1)
+    batch["targets"] = jax.jit(lambda p, t: jnp.argmax(model.apply({"params": p}, t), -1))(params, inputs)
     res = cett_ppl_search(model, params, [batch], p=5.0, tol=1e-3)
     assert 0 < res["activation_ratio"] < 1
     return res["thresholds"]

@@ -1,6 +1,7 @@
 """Residual Matrix Transformer (icml_jax/models/rmt.py; spec specs/rmt.md §5): parity against the
 authors' code, zero logits at init, causality, ALiBi, flag equivalence, variance propagation,
 parameter counts, KV-cache decoding, muP optimizer groups, z-loss, sharding on 8 fake devices."""
+import functools
 import json
 import math
 import os
@@ -11,6 +12,7 @@ import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import optax
 import pytest
@@ -36,17 +38,35 @@ def _cfg(**model):
 
 
 def _init(m, B=2, T=12, seed=0):
-    model = build_model(m)
+    """(model, params, tokens); init runs as one jitted program, once per (config, shapes, seed)."""
+    return (build_model(m),) + _init_params(ml_collections.FrozenConfigDict(m), B, T, seed)
+
+
+@functools.cache
+def _init_params(m, B, T, seed):
     tokens = jax.random.randint(jax.random.key(seed), (B, T), 0, m.vocab_size)
-    params = nn.meta.unbox(model.init(jax.random.key(1), tokens)["params"])
-    return model, params, tokens
+    params = jax.jit(lambda t: nn.meta.unbox(build_model(m).init(jax.random.key(1), t)["params"]))(tokens)
+    return params, tokens
 
 
+def _param_shapes(m, B=2, T=12):
+    """The param tree's shapes, without running init."""
+    return nn.meta.unbox(jax.eval_shape(build_model(m).init, jax.random.key(1),
+                                        jnp.zeros((B, T), jnp.int32))["params"])
+
+
+@functools.partial(jax.jit, static_argnames="seed")
 def _randomise(params, seed=0, scale=0.5):
     """Every leaf random and non-zero (query slice and unembedding included)."""
     leaves, treedef = jax.tree.flatten(params)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
     return jax.tree.unflatten(treedef, [scale * jax.random.normal(k, x.shape) for k, x in zip(keys, leaves)])
+
+
+def _forward(m):
+    """model.apply as one jitted program (tokens, then optional positions and segment ids)."""
+    model = build_model(m)
+    return jax.jit(lambda p, *inputs: model.apply({"params": p}, *inputs))
 
 
 # ----------------------------------------------------------------------------- parity (§5.8)
@@ -87,15 +107,20 @@ def test_parity_with_reference_model():
     """Logits, mean CE and mean z-loss equal the authors' model (run in fp64, ours fp32)."""
     ref = np.load(DATA)
     m = _parity_cfg()
-    model, params, _ = _init(m, B=1, T=4)
     ours = _reference_params(ref, m)
-    chex.assert_trees_all_equal_shapes(ours, params)
-    tokens = jnp.asarray(ref["tokens"])[None]
-    logits = model.apply({"params": ours}, tokens)[0]
+    chex.assert_trees_all_equal_shapes(ours, _param_shapes(m, B=1, T=4))
+    model = build_model(m)
+
+    @jax.jit
+    def run(params, tokens, targets):
+        logits = model.apply({"params": params}, tokens[None])[0]
+        ce = -token_logprobs(logits[None], targets[None]).mean()
+        return logits, ce, jnp.mean(jnp.square(log_normalizer(logits)))
+
+    logits, ce, logz2 = run(ours, jnp.asarray(ref["tokens"]), jnp.asarray(ref["targets"]))
+    ce, logz2 = float(ce), float(logz2)
     assert float(np.abs(ref["logits"]).max()) > 0.5  # non-trivial reference output
     np.testing.assert_allclose(logits, ref["logits"], atol=2e-5, rtol=1e-5)
-    ce = -float(token_logprobs(logits[None], jnp.asarray(ref["targets"])[None]).mean())
-    logz2 = float(jnp.mean(jnp.square(log_normalizer(logits))))
     assert abs(ce - float(ref["ce"])) < 1e-5
     assert abs(logz2 - float(ref["logz2"])) < 1e-4
     assert abs(ce + 1e-4 * logz2 - float(ref["zloss"])) < 1e-5
@@ -113,7 +138,7 @@ def test_parity_breaks_without_inverse_layer_scaling():
     ref = np.load(DATA)
     m = _parity_cfg()
     m.rmt.inverse_layer_scaling = False
-    logits = build_model(m).apply({"params": _reference_params(ref, m)}, jnp.asarray(ref["tokens"])[None])[0]
+    logits = _forward(m)(_reference_params(ref, m), jnp.asarray(ref["tokens"])[None])[0]
     assert float(np.abs(np.asarray(logits) - ref["logits"]).max()) > 1e-3
 
 
@@ -157,26 +182,30 @@ def test_every_leaf_has_logical_axes():
 def test_causality():
     """§5.5: changing token t+1 leaves logits at positions <= t unchanged, and changes later ones."""
     m = _cfg().model
-    model, params, tokens = _init(m, B=1, T=10)
+    _, params, tokens = _init(m, B=1, T=10)
     params = _randomise(params)
-    base = model.apply({"params": params}, tokens)
+    fwd = _forward(m)  # one compile: every input has the same shape
+    tokens = np.asarray(tokens)
+    base = np.asarray(fwd(params, tokens))
     for t in (0, 4, 8):
-        pert = tokens.at[0, t + 1].set((tokens[0, t + 1] + 1) % m.vocab_size)
-        out = model.apply({"params": params}, pert)
+        pert = tokens.copy()
+        pert[0, t + 1] = (pert[0, t + 1] + 1) % m.vocab_size
+        out = np.asarray(fwd(params, pert))
         np.testing.assert_array_equal(out[0, : t + 1], base[0, : t + 1])
-        assert float(jnp.abs(out[0, t + 1:] - base[0, t + 1:]).max()) > 1e-4
+        assert float(np.abs(out[0, t + 1:] - base[0, t + 1:]).max()) > 1e-4
 
 
 def test_packed_documents_are_isolated():
     """A token attends only within its segment, and ALiBi uses per-document positions: a
     document packed second gives the same logits as alone."""
     m = _cfg().model
-    model, params, tokens = _init(m, B=1, T=12)
+    _, params, tokens = _init(m, B=1, T=12)
     params = _randomise(params)
     seg = jnp.array([[1] * 5 + [2] * 7])
     pos = jnp.array([list(range(5)) + list(range(7))])
-    packed = model.apply({"params": params}, tokens, pos, seg)
-    alone = model.apply({"params": params}, tokens[:, 5:])
+    fwd = _forward(m)
+    packed = fwd(params, tokens, pos, seg)
+    alone = fwd(params, tokens[:, 5:])
     np.testing.assert_allclose(packed[0, 5:], alone[0], atol=1e-5)
 
 
@@ -210,13 +239,13 @@ def test_scan_matches_layer_loop(remat):
     """Scanned layers (the layer counter rides in the carry) compute the loop's function, so the
     per-layer 1/(ℓ+1) scaling survives nn.scan and remat."""
     m = _cfg().model
-    model, params, tokens = _init(m)
+    _, params, tokens = _init(m)
     params = _randomise(params)
-    base = model.apply({"params": params}, tokens)
+    base = _forward(m)(params, tokens)
     m2 = _cfg(scan_layers=True, remat=remat).model
     layers = [params[f"layer_{i}"] for i in range(m.num_layers)]
-    p2 = {"io": params["io"], "layers": jax.tree.map(lambda *xs: jnp.stack(xs), *layers)}
-    chex.assert_trees_all_close(build_model(m2).apply({"params": p2}, tokens), base, atol=1e-5)
+    p2 = {"io": params["io"], "layers": jax.tree.map(lambda *xs: np.stack(xs), *layers)}
+    chex.assert_trees_all_close(_forward(m2)(p2, tokens), base, atol=1e-5)
 
 
 def test_bad_config_is_a_clear_error():
@@ -230,12 +259,22 @@ def test_bad_config_is_a_clear_error():
 
 # ----------------------------------------------------------------------------- attention properties
 
-def _attend(m, q, k, v, layer=0, pos=None):
-    B, T = q.shape[:2]
-    pos = jnp.broadcast_to(jnp.arange(T), (B, T)) if pos is None else pos
-    mask = jnp.tril(jnp.ones((T, T), bool))[None].repeat(B, 0)
-    return rmt.RMTAttention(m).apply({}, q, k, v, mask, jnp.full((B, 1), layer, jnp.int32), pos, pos,
-                                     method="attend")
+def _attend(m, q, k, v, layer=0):
+    """RMTAttention.attend on causal positions 0..T-1 (as numpy; one compile per config and
+    shapes: the layer is a traced argument)."""
+    return np.asarray(_attend_fn(ml_collections.FrozenConfigDict(m))(q, k, v, jnp.int32(layer)))
+
+
+@functools.cache
+def _attend_fn(m):
+    @jax.jit
+    def attend(q, k, v, layer):
+        B, T = q.shape[:2]
+        pos = jnp.broadcast_to(jnp.arange(T), (B, T))
+        mask = jnp.tril(jnp.ones((T, T), bool))[None].repeat(B, 0)
+        return rmt.RMTAttention(m).apply({}, q, k, v, mask, jnp.full((B, 1), layer, jnp.int32), pos, pos,
+                                         method="attend")
+    return attend
 
 
 def test_alibi_slopes_and_bias():
@@ -254,7 +293,7 @@ def test_alibi_slopes_and_bias():
             logit = -slopes[r] * (t - np.arange(t + 1))
             want = np.exp(logit) / np.exp(logit).sum()
             np.testing.assert_allclose(o[0, t, r, : t + 1], want, rtol=1e-5)
-            assert float(jnp.abs(o[0, t, r, t + 1:]).max(initial=0.0)) == 0.0
+            assert float(np.abs(o[0, t, r, t + 1:]).max(initial=0.0)) == 0.0
 
 
 def test_inverse_layer_scaling_flag_equivalence():
@@ -268,7 +307,7 @@ def test_inverse_layer_scaling_flag_equivalence():
         b = _attend(off, q, k, v, layer)
         np.testing.assert_allclose(a, b, atol=1e-5)
         if layer:
-            assert float(jnp.abs(_attend(on, q, k, v, layer) - b).max()) > 1e-3
+            assert float(np.abs(_attend(on, q, k, v, layer) - b).max()) > 1e-3
 
 
 def test_variance_propagation_at_init():
@@ -276,17 +315,23 @@ def test_variance_propagation_at_init():
     Var = Dk σ_w²(σ² + μ²), means 0."""
     R, K, E, n = 8, 16, 4, 4000
     sw, mu, sd = 0.3, 0.5, 1.5
-    kx, kw = jax.random.split(jax.random.key(0))
-    x_NTRE = mu + sd * jax.random.normal(kx, (n, 1, R, E))
-    w_NRK = sw * jax.random.normal(kw, (n, R, K))
-    X = jax.vmap(lambda x, w: rmt.store(x[None], w)[0])(x_NTRE, w_NRK)  # [n, 1, E, K]
-    assert abs(float(X.var()) / (R * sw ** 2 * (sd ** 2 + mu ** 2)) - 1) < 0.05
-    assert abs(float(X.mean())) < 0.05
-    Xin = mu + sd * jax.random.normal(kx, (n, 1, E, K))
-    a_NKR = sw * jax.random.normal(kw, (n, K, R))
-    y = jax.vmap(lambda x, a: rmt.retrieve(x[None], a)[0])(Xin, a_NKR)
-    assert abs(float(y.var()) / (K * sw ** 2 * (sd ** 2 + mu ** 2)) - 1) < 0.05
-    assert abs(float(y.mean())) < 0.05
+
+    @jax.jit
+    def moments():
+        kx, kw = jax.random.split(jax.random.key(0))
+        x_NTRE = mu + sd * jax.random.normal(kx, (n, 1, R, E))
+        w_NRK = sw * jax.random.normal(kw, (n, R, K))
+        X = jax.vmap(lambda x, w: rmt.store(x[None], w)[0])(x_NTRE, w_NRK)  # [n, 1, E, K]
+        Xin = mu + sd * jax.random.normal(kx, (n, 1, E, K))
+        a_NKR = sw * jax.random.normal(kw, (n, K, R))
+        y = jax.vmap(lambda x, a: rmt.retrieve(x[None], a)[0])(Xin, a_NKR)
+        return X.var(), X.mean(), y.var(), y.mean()
+
+    X_var, X_mean, y_var, y_mean = map(float, moments())
+    assert abs(X_var / (R * sw ** 2 * (sd ** 2 + mu ** 2)) - 1) < 0.05
+    assert abs(X_mean) < 0.05
+    assert abs(y_var / (K * sw ** 2 * (sd ** 2 + mu ** 2)) - 1) < 0.05
+    assert abs(y_mean) < 0.05
 
 
 # ----------------------------------------------------------------------------- decoding
@@ -299,14 +344,15 @@ def test_cached_greedy_equals_full_forward(scan_layers, position):
     from icml_jax.inference.decode import generate
     m = _cfg(scan_layers=scan_layers, rmt=dict(position=position)).model
     model = build_model(m)
-    params = _randomise(model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"], scale=1.0)
+    params = _randomise(jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"],
+                        scale=1.0)
     prompt, n = [1, 40, 51, 62, 73], 8
-    fwd = jax.jit(lambda p, t: model.apply({"params": p}, t))
+    fwd = jax.jit(lambda p, t, i: model.apply({"params": p}, t)[0, i])  # one compile for every step
     buf = np.zeros((1, len(prompt) + n), np.int32)
     buf[0, :len(prompt)] = prompt
     want, want_logits = [], []
     for i in range(n):
-        lg = np.asarray(fwd(params, jnp.asarray(buf))[0, len(prompt) + i - 1])
+        lg = np.asarray(fwd(params, buf, len(prompt) + i - 1))
         want.append(int(lg.argmax()))
         want_logits.append(lg)
         buf[0, len(prompt) + i] = want[-1]
@@ -336,9 +382,15 @@ def test_mup_lr_divides_hidden_params_by_width_ratio():
     _, params, _ = _init(c.model)
     grads = _randomise(params, seed=3)
     c1, tx1 = _tx()
-    u2, _ = tx.update(grads, tx.init(params), params)
-    u1, _ = tx1.update(grads, tx1.init(params), params)
-    ratio = jax.tree.map(lambda a, b: float(jnp.abs(a).sum() / jnp.abs(b).sum()), u2, u1)
+
+    @jax.jit
+    def first_updates(grads, params):
+        u2, _ = tx.update(grads, tx.init(params), params)
+        u1, _ = tx1.update(grads, tx1.init(params), params)
+        return jax.tree.map(lambda a, b: jnp.abs(a).sum() / jnp.abs(b).sum(), u2, u1), u1
+
+    ratio, u1 = first_updates(grads, params)
+    ratio = jax.tree.map(float, ratio)
     assert abs(ratio["layer_0"]["attn"]["qkv_retrieve"] - 0.5) < 1e-6
     assert abs(ratio["io"]["unembed_retrieve"] - 0.5) < 1e-6
     assert abs(ratio["layer_1"]["mlp_retrieve"] - 0.5) < 1e-6
@@ -356,8 +408,8 @@ def test_mup_decay_is_added_after_lr_and_masked():
         c, tx = _tx(wd=0.1, lr=lr)
         _, params, _ = _init(c.model)
         params = _randomise(params, seed=1)
-        zeros = jax.tree.map(jnp.zeros_like, params)
-        u, _ = tx.update(zeros, tx.init(params), params)
+        zeros = jax.tree.map(np.zeros_like, params)
+        u, _ = jax.jit(lambda g, p: tx.update(g, tx.init(p), p))(zeros, params)
         np.testing.assert_allclose(u["layer_0"]["mlp"]["wi"], -0.1 * params["layer_0"]["mlp"]["wi"], rtol=1e-5)
         np.testing.assert_allclose(u["layer_1"]["attn"]["qkv_retrieve"],
                                    -0.1 * params["layer_1"]["attn"]["qkv_retrieve"], rtol=1e-5)
@@ -378,12 +430,16 @@ def test_z_loss_value_is_ce_gradient_includes_z():
         nll = (-token_logprobs(lg, targets) * w).sum()
         return nll + 1e-2 * (jnp.square(jax.nn.logsumexp(lg, -1)) * w).sum()
 
-    (val, zsum) = objective(logits)
-    nll = (-token_logprobs(logits, targets) * w).sum()
+    @jax.jit
+    def run(lg):
+        val, zsum = objective(lg)
+        nll = (-token_logprobs(lg, targets) * w).sum()
+        return val, zsum, nll, plain(lg), jax.grad(lambda x: objective(x)[0])(lg), jax.grad(plain)(lg)
+
+    val, zsum, nll, plain_val, grad_z, grad_plain = run(logits)
     assert float(val) == float(nll)
-    assert abs(float(zsum) - float(plain(logits) - nll)) < 1e-4 and float(zsum) > 0
-    chex.assert_trees_all_close(jax.grad(lambda lg: objective(lg)[0])(logits), jax.grad(plain)(logits),
-                                atol=1e-6)
+    assert abs(float(zsum) - float(plain_val - nll)) < 1e-4 and float(zsum) > 0
+    chex.assert_trees_all_close(grad_z, grad_plain, atol=1e-6)
 
 
 def test_lm_task_reports_plain_ce_and_z_loss_metric():
@@ -393,64 +449,84 @@ def test_lm_task_reports_plain_ce_and_z_loss_metric():
     batch = task.dummy_batch(2, 16)
     batch["inputs"] = jax.random.randint(jax.random.key(0), (2, 16), 0, 200)
     batch["targets"] = jnp.roll(batch["inputs"], -1, axis=1)
-    params = _randomise(nn.meta.unbox(task.init_params(jax.random.key(1), batch)), scale=0.3)
-    lsum, n, metrics = task.loss(params, batch)
     c0 = _cfg()
     c0.train.z_loss = 0.0
-    lsum0, _, metrics0 = LMTask(c0).loss(params, batch)
+    task0 = LMTask(c0)
+
+    @jax.jit
+    def run(batch):  # with and without the z-loss: values, metrics and gradients in one program
+        params = _randomise(nn.meta.unbox(task.init_params(jax.random.key(1), batch)), scale=0.3)
+        (lsum, (_, metrics)), g = jax.value_and_grad(lambda p: _split(task.loss(p, batch)), has_aux=True)(params)
+        (lsum0, (_, metrics0)), g0 = jax.value_and_grad(lambda p: _split(task0.loss(p, batch)),
+                                                        has_aux=True)(params)
+        return lsum, metrics, g, lsum0, metrics0, g0
+
+    lsum, metrics, g, lsum0, metrics0, g0 = run(batch)
     assert float(lsum) == float(lsum0) and "z_loss" not in metrics0
     assert float(metrics["z_loss"]) > 0
-    g = jax.grad(lambda p: task.loss(p, batch)[0])(params)
-    g0 = jax.grad(lambda p: LMTask(c0).loss(p, batch)[0])(params)
     assert float(jnp.abs(g["io"]["unembed"] - g0["io"]["unembed"]).max()) > 0
+
+
+def _split(loss_out):
+    """(loss sum, (token count, metrics)): task.loss's output as value_and_grad's (value, aux)."""
+    lsum, n, metrics = loss_out
+    return lsum, (n, metrics)
 
 
 # ----------------------------------------------------------------------------- sharding (8 fake devices)
 
 _SHARD_SCRIPT = r"""
-import json, sys, jax, jax.numpy as jnp, flax.linen as nn
+import json, jax, jax.numpy as jnp, flax.linen as nn
 from icml_jax.config_utils import load_config
 from icml_jax.tasks.lm import LMTask
 from icml_jax.train import mesh as mesh_lib, trainer
 from icml_jax.train.optimizer import make_optimizer, lr_schedule
-c = load_config("configs/rmt.py:tiny", unlocked=True)
-c.model.num_heads = c.model.num_kv_heads = 4
-c.model.rmt.key_dim = 8
-c.mesh.data, c.mesh.fsdp, c.mesh.tensor = [int(x) for x in sys.argv[1:4]]
-task = LMTask(c)
-tx = make_optimizer(c.train, model_cfg=c.model)
-mesh, rules = mesh_lib.make_mesh(c.mesh), mesh_lib.logical_rules(c.mesh)
-state, shardings = trainer.create_sharded_state(task, tx, c, mesh, rules)
-toks = jax.random.randint(jax.random.key(0), (8, 33), 0, 250)
-batch = dict(inputs=toks[:, :-1], targets=toks[:, 1:], segment_ids=jnp.ones((8, 32), jnp.int32),
-             positions=jnp.broadcast_to(jnp.arange(32), (8, 32)))
-bs = mesh_lib.batch_sharding(mesh)
-batch = jax.device_put(batch, bs)
-with mesh, nn.logical_axis_rules(rules):
-    step = jax.jit(trainer.make_train_step(task, tx, 1, lr_schedule(c.train)),
-                   in_shardings=(shardings, bs), out_shardings=(shardings, None))
-    losses = []
-    for _ in range(4):
-        state, m = step(state, batch)
-        losses.append(float(m["loss"]))
-out = {"devices": jax.device_count(), "losses": losses, "shardings": {}}
-for path, x in jax.tree_util.tree_leaves_with_path(state.params):
-    out["shardings"][jax.tree_util.keystr(path)] = [str(x.sharding.spec), list(x.shape),
-                                                    list(x.addressable_shards[0].data.shape)]
-print("RESULT" + json.dumps(out))
+
+
+def run(mesh_shape, devices):
+    c = load_config("configs/rmt.py:tiny", unlocked=True)
+    c.model.num_heads = c.model.num_kv_heads = 4
+    c.model.rmt.key_dim = 8
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = mesh_shape
+    task = LMTask(c)
+    tx = make_optimizer(c.train, model_cfg=c.model)
+    mesh, rules = mesh_lib.make_mesh(c.mesh, devices), mesh_lib.logical_rules(c.mesh)
+    state, shardings = trainer.create_sharded_state(task, tx, c, mesh, rules)
+    toks = jax.random.randint(jax.random.key(0), (8, 33), 0, 250)
+    batch = dict(inputs=toks[:, :-1], targets=toks[:, 1:], segment_ids=jnp.ones((8, 32), jnp.int32),
+                 positions=jnp.broadcast_to(jnp.arange(32), (8, 32)))
+    bs = mesh_lib.batch_sharding(mesh)
+    batch = jax.device_put(batch, bs)
+    with mesh, nn.logical_axis_rules(rules):
+        step = jax.jit(trainer.make_train_step(task, tx, 1, lr_schedule(c.train)),
+                       in_shardings=(shardings, bs), out_shardings=(shardings, None))
+        losses = []
+        for _ in range(4):
+            state, m = step(state, batch)
+            losses.append(float(m["loss"]))
+    out = {"devices": mesh.devices.size, "losses": losses, "shardings": {}}
+    for path, x in jax.tree_util.tree_leaves_with_path(state.params):
+        out["shardings"][jax.tree_util.keystr(path)] = [str(x.sharding.spec), list(x.shape),
+                                                        list(x.addressable_shards[0].data.shape)]
+    return out
+
+
+assert jax.device_count() == 8
+print("RESULT" + json.dumps([run((1, 1, 1), jax.devices()[:1]), run((1, 4, 2), jax.devices())]))
 """
 
 
-def _run(devices, mesh):
-    env = subprocess_env(devices)
-    p = subprocess.run([sys.executable, "-c", _SHARD_SCRIPT, *map(str, mesh)], cwd=REPO_ROOT, env=env,
+def _run_one_and_eight():
+    """One process on 8 fake devices trains the same model twice: on a mesh of its first device
+    alone, and on all 8 as (data, fsdp, tensor) = (1, 4, 2)."""
+    p = subprocess.run([sys.executable, "-c", _SHARD_SCRIPT], cwd=REPO_ROOT, env=subprocess_env(8),
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads([x for x in p.stdout.splitlines() if x.startswith("RESULT")][-1][6:])
 
 
 def test_fsdp_tensor_sharding_matches_one_device():
-    one, eight = _run(1, (1, 1, 1)), _run(8, (1, 4, 2))
+    one, eight = _run_one_and_eight()
     assert one["devices"] == 1 and eight["devices"] == 8
     np.testing.assert_allclose(one["losses"], eight["losses"], atol=1e-5)
     assert one["losses"][-1] < one["losses"][0]
