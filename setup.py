@@ -29,7 +29,9 @@ INSTALL_REQUIRES = [
 ]
 
 EXTRAS = {
-    "test": ["pytest==9.2.0", "pytest-xdist==3.8.0", "nbclient==0.11.0", "nbformat==5.11.1",
+    # pytest 8: under pytest 9.2, pytest-xdist 3.8's xdist_group marks are silently ignored (it
+    # renames item._nodeid, which pytest 9 no longer reads), and `make test` relies on them
+    "test": ["pytest==8.4.2", "pytest-xdist==3.8.0", "nbclient==0.11.0", "nbformat==5.11.1",
              "ipykernel==7.4.0",
              "filelock==4.3.1"],  # lock of the test suite's compilation cache (tests/jax_env.py)
     # HF interop, parity tests and the PyTorch baseline of `make bench`. torch is pinned to the
