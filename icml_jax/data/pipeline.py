@@ -299,7 +299,8 @@ def first_fit_rows(corpus: TokenizedCorpus, seq_len: int, num_bins: int) -> dict
     lowest-numbered of ``num_bins`` rows with room for it; a chunk that fits in none emits the
     batch's used rows in order and starts the next batch. Segment ids count 1, 2, ... within a
     row, positions restart at 0 per piece, padding is 0. Evaluation packs whole splits, and
-    grain's per-element iteration took seconds for a small one (16k chunks: 11 s -> 0.1 s).
+    grain's per-element iteration took seconds for a small one (make_eval_batches on
+    the 16k-chunk Shakespeare validation split at seq_len 32: 11 s -> 0.4 s).
     """
     lengths = (corpus.chunk_ends - corpus.chunk_starts - 1).astype(np.int64)
     if lengths.size and (lengths.max() > seq_len or lengths.min() < 1):

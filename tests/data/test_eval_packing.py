@@ -64,7 +64,11 @@ def test_first_fit_rows_reject_a_corpus_chunked_for_another_length():
         pipeline.first_fit_rows(corpus, 8, 16)
 
 
-def test_eval_batches_memoised_per_corpus_content(tmp_path, make_cfg):
+def test_eval_batches_memoised_per_corpus_content(tmp_path, make_cfg, monkeypatch):
+    packed = []
+    real = pipeline.first_fit_rows
+    monkeypatch.setattr(pipeline, "first_fit_rows",
+                        lambda *a: packed.append(a[1:]) or real(*a))
     folder = tmp_path / "docs"
     folder.mkdir()
     for i in range(6):
@@ -75,7 +79,12 @@ def test_eval_batches_memoised_per_corpus_content(tmp_path, make_cfg):
     first[0]["inputs"][:] = -1  # a caller's edit does not reach the memo
     again = make_eval_batches(cfg, TOK, **kw)
     assert (again[0]["inputs"] >= 0).all()
+    assert packed == [(16, 16)]  # packed once for both calls
+    (folder / "d0.txt").write_text("an edited document " * 3)
+    edited = make_eval_batches(cfg, TOK, **kw)
+    assert len(packed) == 2  # new contents, packed anew
+    cat = lambda bs: np.concatenate([b["inputs"] for b in bs])  # noqa: E731
+    assert cat(edited).shape != cat(again).shape or not np.array_equal(cat(edited), cat(again))
     corpus = pipeline.load_corpus(cfg, TOK, "train", 16)
     want = pipeline.first_fit_rows(corpus, 16, 16)
-    np.testing.assert_array_equal(np.concatenate([b["inputs"] for b in again])[:len(want["inputs"])],
-                                  want["inputs"])
+    np.testing.assert_array_equal(cat(edited)[:len(want["inputs"])], want["inputs"])
