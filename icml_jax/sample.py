@@ -15,9 +15,11 @@ import json
 import os
 import sys
 
-import jax
 import ml_collections
 from absl import app, flags, logging
+
+# JAX, flax and orbax are imported only once the inputs have been checked (config.json, the
+# checkpoints/ folder, the prompts' lengths), so a mistyped command fails in well under a second.
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("checkpoint", None, "a training workdir (with config.json and checkpoints/)")
@@ -44,8 +46,9 @@ def latest_params(workdir: str, model_cfg: ml_collections.ConfigDict):
         raise SampleError(str(e)) from e
 
 
-def load_workdir(workdir: str):
-    """(model_cfg, params, tokenizer, description) from a training workdir."""
+def read_workdir(workdir: str):
+    """(config, tokenizer) of a training workdir, checked without loading JAX or the params:
+    the folder, its config.json and a checkpoints/ folder must exist."""
     from icml_jax.data.tokenizers import build_tokenizer  # pylint: disable=g-import-not-at-top
 
     if not os.path.isdir(workdir):
@@ -56,12 +59,21 @@ def load_workdir(workdir: str):
                           "writes config.json and checkpoints/ there)")
     with open(cfg_path) as f:
         config = ml_collections.ConfigDict(json.load(f))
-    model_cfg = config.model
-    params, step = latest_params(workdir, model_cfg)
+    if not os.path.isdir(os.path.join(workdir, "checkpoints")):
+        raise SampleError(f"{workdir}: no checkpoints/ folder; train there first (e.g. `python -m "
+                          f"icml_jax.main --config=configs/lm.py:tiny --workdir={workdir}`)")
     tokenizer = build_tokenizer(config.data.tokenizer)
-    if tokenizer.vocab_size > model_cfg.vocab_size:
-        raise SampleError(f"tokenizer vocab {tokenizer.vocab_size} > model vocab {model_cfg.vocab_size}")
-    return model_cfg, params, tokenizer, f"{workdir} step {step}"
+    if tokenizer.vocab_size > config.model.vocab_size:
+        raise SampleError(f"tokenizer vocab {tokenizer.vocab_size} > model vocab "
+                          f"{config.model.vocab_size}")
+    return config, tokenizer
+
+
+def load_workdir(workdir: str):
+    """(model_cfg, params, tokenizer, description) from a training workdir."""
+    config, tokenizer = read_workdir(workdir)
+    params, step = latest_params(workdir, config.model)
+    return config.model, params, tokenizer, f"{workdir} step {step}"
 
 
 def load_hf_folder(path: str):
@@ -76,9 +88,8 @@ def load_hf_folder(path: str):
 
 
 def run(argv_flags) -> list[str]:
-    """Loads the model, prints and returns one continuation per (prompt, sample)."""
-    from icml_jax.inference import decode  # pylint: disable=g-import-not-at-top
-
+    """Checks the inputs, then loads the model; prints and returns one continuation per
+    (prompt, sample)."""
     f = argv_flags
     if bool(f.checkpoint) == bool(f.hf):
         raise SampleError("pass exactly one of --checkpoint=WORKDIR or --hf=PATH")
@@ -86,8 +97,11 @@ def run(argv_flags) -> list[str]:
         raise SampleError('pass at least one --prompt="..."')
     if f.num_samples < 1:
         raise SampleError(f"--num_samples={f.num_samples} must be >= 1")
-    model_cfg, params, tok, where = (load_workdir(f.checkpoint) if f.checkpoint
-                                     else load_hf_folder(f.hf))
+    if f.checkpoint:  # everything that can be checked before JAX loads the params
+        config, tok = read_workdir(f.checkpoint)
+        model_cfg = config.model
+    else:
+        model_cfg, params, tok, where = load_hf_folder(f.hf)
     encoded = [[tok.bos_id] + list(tok.encode(p)) for p in f.prompt]
     for p, e in zip(f.prompt, encoded):
         if len(e) + f.max_new_tokens > model_cfg.max_seq_len:
@@ -95,8 +109,14 @@ def run(argv_flags) -> list[str]:
                 f"prompt {p[:40]!r}... is {len(e)} tokens; with --max_new_tokens={f.max_new_tokens} "
                 f"that exceeds the model's max_seq_len={model_cfg.max_seq_len}; shorten the prompt or "
                 "lower --max_new_tokens")
+    if f.checkpoint:
+        params, step = latest_params(f.checkpoint, model_cfg)
+        where = f"{f.checkpoint} step {step}"
     stops = tuple(getattr(tok, "eos_ids", (tok.eos_id,)))
     rows = [e for e in encoded for _ in range(f.num_samples)]
+    import jax  # pylint: disable=g-import-not-at-top
+
+    from icml_jax.inference import decode  # pylint: disable=g-import-not-at-top
     try:
         out = decode.generate(model_cfg, params, rows, key=jax.random.key(f.seed),
                               max_new_tokens=f.max_new_tokens, temperature=f.temperature,

@@ -20,8 +20,15 @@ from icml_jax.train.trainer import TrainState, _config_dict
 pytestmark = pytest.mark.xdist_group("sample_cli_workdir")
 
 
-def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "icml_jax.sample", *args], cwd=REPO_ROOT,
+# runs the CLI and, as the interpreter exits, says whether JAX was ever imported
+_REPORT_JAX = ("import atexit, runpy, sys; atexit.register(lambda: print('jax imported:', 'jax' in "
+               "sys.modules, file=sys.stderr)); runpy.run_module('icml_jax.sample', "
+               "run_name='__main__', alter_sys=True)")
+
+
+def _cli(*args, report_jax=False):
+    head = ["-c", _REPORT_JAX] if report_jax else ["-m", "icml_jax.sample"]
+    return subprocess.run([sys.executable, *head, *args], cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=300)
 
 
@@ -75,15 +82,18 @@ def test_cli_falls_back_to_previous_step(workdir, tmp_path):
 
 
 def test_cli_errors(workdir, tmp_path):
-    r = _cli(f"--checkpoint={tmp_path / 'nope'}", "--prompt=x")
-    assert r.returncode == 1 and "no such folder" in r.stderr
+    """Bad input is one line on stderr and exit 1, found before JAX is even imported."""
+    def fails(*args):
+        r = _cli(*args, report_jax=True)
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+        assert "jax imported: False" in r.stderr, r.stderr
+        return r.stderr
+
+    assert "no such folder" in fails(f"--checkpoint={tmp_path / 'nope'}", "--prompt=x")
     (tmp_path / "empty").mkdir()
-    r = _cli(f"--checkpoint={tmp_path / 'empty'}", "--prompt=x")
-    assert r.returncode == 1 and "no config.json" in r.stderr
+    assert "no config.json" in fails(f"--checkpoint={tmp_path / 'empty'}", "--prompt=x")
     shutil.copy(workdir / "config.json", tmp_path / "empty" / "config.json")
-    r = _cli(f"--checkpoint={tmp_path / 'empty'}", "--prompt=x")
-    assert r.returncode == 1 and "no checkpoints/" in r.stderr
-    r = _cli(f"--checkpoint={workdir}", "--prompt=" + "a" * 120, "--max_new_tokens=20")
-    assert r.returncode == 1 and "max_seq_len=128" in r.stderr and "Traceback" not in r.stderr
-    r = _cli("--prompt=x")
-    assert r.returncode == 1 and "exactly one of" in r.stderr
+    assert "no checkpoints/" in fails(f"--checkpoint={tmp_path / 'empty'}", "--prompt=x")
+    err = fails(f"--checkpoint={workdir}", "--prompt=" + "a" * 120, "--max_new_tokens=20")
+    assert "max_seq_len=128" in err
+    assert "exactly one of" in fails("--prompt=x")
