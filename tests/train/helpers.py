@@ -1,10 +1,11 @@
-"""Runs the real entry point in a subprocess (fresh JAX, optional fake devices)."""
+"""Runs the real entry point in a subprocess (fresh JAX, optional fake devices), or its training
+in this process when one CPU device will do (no JAX start-up, compiles shared with the worker)."""
 import json
 import os
 import subprocess
 import sys
 
-from icml_jax.config_utils import REPO_ROOT
+from icml_jax.config_utils import REPO_ROOT, load_config
 from tests.jax_env import subprocess_env
 
 
@@ -23,6 +24,48 @@ def run_main(workdir, *overrides, devices=1, timeout=300, check=True, data_dir=N
     if check and p.returncode != 0:
         raise AssertionError(f"main failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
     return p
+
+
+def apply_overrides(config, overrides):
+    """``--config.a.b=v`` command-line overrides applied to ``config``, ``v`` parsed as the
+    type of the value it replaces (bool, int, float; anything else stays a string)."""
+    for o in overrides:
+        if not o.startswith("--config.") or "=" not in o:
+            raise ValueError(f"not a --config.KEY=VALUE override: {o!r}")
+        key, value = o[len("--config."):].split("=", 1)
+        *parents, leaf = key.split(".")
+        node = config
+        for name in parents:
+            node = node[name]
+        old = node[leaf]
+        if isinstance(old, bool):
+            value = {"True": True, "False": False}[value]
+        elif isinstance(old, (int, float)):
+            value = type(old)(value)
+        node[leaf] = value
+    return config
+
+
+def train_in_process(workdir, *overrides, config="configs/lm.py:tiny", data_dir=None):
+    """What ``python -m icml_jax.main --config=CONFIG --workdir=WORKDIR OVERRIDES`` trains, run by
+    ``train_and_evaluate`` in this process (one CPU device) -> its summary. ``data_dir`` (the
+    subprocesses' $TFDS_DATA_DIR) goes in as ``config.data.data_dir``: TFDS reads the variable
+    once, when it is first imported, so setting it now would not reach this process."""
+    from icml_jax.train import trainer
+    cfg = apply_overrides(load_config(config, unlocked=True), overrides)
+    if data_dir:
+        cfg.data.data_dir = data_dir
+    return trainer.train_and_evaluate(cfg, str(workdir))
+
+
+def sharding_digest(summary) -> dict:
+    """JSON-able {"devices", "eval_loss", "shardings": {param path: [spec, shape, shard shape]}}
+    of a ``train_and_evaluate`` summary."""
+    import jax
+    return {"devices": jax.device_count(), "eval_loss": summary["eval_loss"], "shardings": {
+        jax.tree_util.keystr(path): [str(x.sharding.spec), list(x.shape),
+                                     list(x.addressable_shards[0].data.shape)]
+        for path, x in jax.tree_util.tree_leaves_with_path(summary["state"].params)}}
 
 
 def train_losses(workdir) -> dict:

@@ -1,8 +1,8 @@
 """Multi-process training on one machine: 2 CPU processes x 4 fake devices = one 8-device mesh.
 
 The processes talk over 127.0.0.1 only (coordinator + gloo collectives). Checked: the 2-process
-run's losses equal a 1-process 8-device run's; its checkpoint resumes exactly in 1 process on
-1 device; a checkpoint restores onto other device counts and mesh shapes with the same params;
+run's losses equal a 1-process 1-device run's (the test's own process); its checkpoint resumes
+exactly in 1 process on 1 device; a checkpoint restores onto other device counts and mesh shapes with the same params;
 a process that dies makes the other stop with an error; no socket leaves the loopback interface.
 """
 import json
@@ -20,7 +20,7 @@ import pytest
 from icml_jax import launch_local
 from icml_jax.config_utils import REPO_ROOT
 from icml_jax.train import distributed
-from tests.train.helpers import env, main_cmd, run_main, train_losses
+from tests.train.helpers import env, main_cmd, run_main, train_in_process, train_losses
 
 # long multi-device / multi-process runs in subprocesses: one xdist worker takes all of them,
 # first, while the other runs in-process tests (tests/README.md)
@@ -33,7 +33,12 @@ SHORT = ["--config.train.checkpoint_every=2", "--config.train.eval_every=2",
 
 @pytest.fixture(scope="module")
 def data_dir(session_tfds_dir):
-    return session_tfds_dir  # the Shakespeare build is shared with the worker's other runs
+    """The Shakespeare build shared with the worker's other runs, prepared before any run: two
+    processes started on a cold folder would have process 0 build it while process 1 waits in
+    the collectives' set-up (30 s, then it fails)."""
+    from icml_jax.data import shakespeare
+    shakespeare.build(session_tfds_dir)
+    return session_tfds_dir
 
 
 def launch(workdir, *overrides, data_dir, n=2, devices=4, heartbeat=10):
@@ -73,14 +78,14 @@ def eval_losses(workdir) -> dict:
 
 
 @pytest.mark.parametrize("streams", [1, 4])
-def test_two_processes_equal_one_process_and_resume_in_one(tmp_path, data_dir, streams):
+def test_two_processes_equal_one_process_and_resume_in_one(tmp_path, data_dir, streams, capsys):
     """streams=1: both processes pack the global batch and keep their halves; streams=4: each
     packs only its 2 streams, and the checkpoint merges the processes' iterator states. A constant
-    learning rate after warmup makes a 4-step run the prefix of the 6-step reference."""
+    learning rate after warmup makes a 4-step run the prefix of the 6-step reference, which (like
+    the resume) runs in this test's process on its one device."""
     base = [f"--config.data.streams={streams}", "--config.train.min_lr_ratio=1.0", *SHORT]
     one = str(tmp_path / "one_process")
-    run_main(one, *SPLIT_MESH, *base, "--config.train.steps=6", devices=8, data_dir=data_dir,
-             timeout=420)
+    train_in_process(one, *base, "--config.train.steps=6", data_dir=data_dir)
     two = str(tmp_path / "two_processes")
     # sampling at the end needs the params gathered from both processes
     sample = ["--config.train.samples=1", "--config.train.sample_len=8"] if streams == 1 else []
@@ -106,8 +111,9 @@ def test_two_processes_equal_one_process_and_resume_in_one(tmp_path, data_dir, s
     # the 2-process checkpoint (8 devices) resumes exactly in 1 process on 1 device
     resumed = str(tmp_path / "resumed_on_one_device")
     shutil.copytree(two, resumed)
-    p = run_main(resumed, *base, "--config.train.steps=6", devices=1, data_dir=data_dir)
-    assert f"Resumed from {resumed}/checkpoints/4" in p.stdout
+    capsys.readouterr()
+    train_in_process(resumed, *base, "--config.train.steps=6", data_dir=data_dir)
+    assert f"Resumed from {resumed}/checkpoints/4" in capsys.readouterr().out
     got = train_losses(resumed)
     assert sorted(got) == list(range(1, 7))
     assert max(abs(got[s] - want[s]) for s in (5, 6)) <= 1e-5, (want, got)

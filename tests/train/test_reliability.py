@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from icml_jax.config_utils import REPO_ROOT
-from tests.train.helpers import env, main_cmd, run_main, train_losses
+from tests.train.helpers import (env, main_cmd, run_main, sharding_digest, train_in_process,
+                                 train_losses)
 
 # long multi-device / multi-process runs in subprocesses: one xdist worker takes all of them,
 # first, while the other runs in-process tests (tests/README.md)
@@ -22,11 +23,12 @@ def data_dir(session_tfds_dir):
     return session_tfds_dir  # the Shakespeare build is shared with the worker's other runs
 
 
+
 def test_sigkill_mid_training_resumes_exactly(tmp_path, data_dir):
     args = ["--config.train.steps=40", "--config.train.checkpoint_every=5",
             "--config.train.async_checkpoint=True", "--config.train.samples=0"]
-    ref = str(tmp_path / "ref")
-    run_main(ref, *args, data_dir=data_dir)
+    ref = str(tmp_path / "ref")  # the uninterrupted run, in this process
+    train_in_process(ref, *args, data_dir=data_dir)
     want = train_losses(ref)
     assert sorted(want) == list(range(1, 41))
 
@@ -65,12 +67,8 @@ c.train.samples = 0
 c.train.steps = 12
 c.mesh.data, c.mesh.fsdp, c.mesh.tensor = [int(x) for x in sys.argv[2:5]]
 s = trainer.train_and_evaluate(c, sys.argv[1])
-p = s["state"].params
-out = {"devices": jax.device_count(), "eval_loss": s["eval_loss"], "shardings": {}}
-for path, x in jax.tree_util.tree_leaves_with_path(p):
-    out["shardings"][jax.tree_util.keystr(path)] = [str(x.sharding.spec), list(x.shape),
-                                                    list(x.addressable_shards[0].data.shape)]
-print("RESULT" + json.dumps(out))
+from tests.train.helpers import sharding_digest
+print("RESULT" + json.dumps(sharding_digest(s)))
 """
 
 
@@ -84,7 +82,10 @@ def _run_sharded(workdir, devices, mesh, data_dir):
 
 
 def test_fsdp_tensor_parallel_matches_one_device(tmp_path, data_dir):
-    one, l1 = _run_sharded(str(tmp_path / "one"), 1, (1, 1, 1), data_dir)
+    # the one-device run is the script's training in this process
+    one = sharding_digest(train_in_process(str(tmp_path / "one"), "--config.train.samples=0",
+                                            "--config.train.steps=12", data_dir=data_dir))
+    l1 = train_losses(str(tmp_path / "one"))
     eight, l8 = _run_sharded(str(tmp_path / "eight"), 8, (1, 4, 2), data_dir)
     assert one["devices"] == 1 and eight["devices"] == 8
     assert sorted(l1) == sorted(l8) == list(range(1, 13))
