@@ -68,6 +68,25 @@ def sharding_digest(summary) -> dict:
         for path, x in jax.tree_util.tree_leaves_with_path(summary["state"].params)}}
 
 
+def restore_digest(workdir, out, mesh) -> dict:
+    """Loads ``workdir``'s checkpoint onto this process's devices with ``config.mesh`` = ``mesh``;
+    writes its params and optimizer state to ``out`` (npz) -> {"step", "devices", "split": the
+    params split over more than one device}."""
+    import jax
+    import numpy as np
+    from icml_jax.train import trainer
+    c = load_config("configs/lm.py:tiny", unlocked=True)
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = mesh
+    state, step = trainer.load_state(c, workdir)
+    flat = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(state.params)}
+    split = sorted(k for k, v in flat.items()
+                   if len({str(i) for i in v.sharding.devices_indices_map(v.shape).values()}) > 1)
+    np.savez(out, **{k: np.asarray(v) for k, v in flat.items()},
+             **{"opt/" + jax.tree_util.keystr(k): np.asarray(v)
+                for k, v in jax.tree_util.tree_leaves_with_path(state.opt_state)})
+    return {"step": int(step), "devices": jax.device_count(), "split": split}
+
+
 def train_losses(workdir) -> dict:
     """step -> loss from metrics.jsonl (the last line per step wins)."""
     out = {}

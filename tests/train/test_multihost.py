@@ -20,7 +20,8 @@ import pytest
 from icml_jax import launch_local
 from icml_jax.config_utils import REPO_ROOT
 from icml_jax.train import distributed
-from tests.train.helpers import env, main_cmd, run_main, train_in_process, train_losses
+from tests.train.helpers import (env, main_cmd, restore_digest, run_main, train_in_process,
+                                 train_losses)
 
 # long multi-device / multi-process runs in subprocesses: one xdist worker takes all of them,
 # first, while the other runs in-process tests (tests/README.md)
@@ -120,19 +121,9 @@ def test_two_processes_equal_one_process_and_resume_in_one(tmp_path, data_dir, s
 
 
 _RESTORE_SCRIPT = r"""
-import json, sys, jax, numpy as np
-from icml_jax.config_utils import load_config
-from icml_jax.train import trainer
-workdir, out, mesh = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-c = load_config("configs/lm.py:tiny", unlocked=True)
-c.mesh.data, c.mesh.fsdp, c.mesh.tensor = mesh
-state, step = trainer.load_state(c, workdir)
-flat = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(state.params)}
-split = sorted(k for k, v in flat.items() if len({str(i) for i in v.sharding.devices_indices_map(v.shape).values()}) > 1)
-np.savez(out, **{k: np.asarray(v) for k, v in flat.items()},
-         **{"opt/" + jax.tree_util.keystr(k): np.asarray(v)
-            for k, v in jax.tree_util.tree_leaves_with_path(state.opt_state)})
-print(json.dumps({"step": int(step), "devices": jax.device_count(), "split": split}))
+import json, sys
+from tests.train.helpers import restore_digest
+print(json.dumps(restore_digest(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]))))
 """
 
 
@@ -143,11 +134,14 @@ def test_restore_onto_other_device_counts_and_meshes(tmp_path, data_dir):
     got = {}
     for devices, mesh in ((8, [1, 4, 2]), (1, [1, 1, 1]), (4, [2, 1, 2])):
         out = str(tmp_path / f"params_{devices}_{'x'.join(map(str, mesh))}.npz")
-        p = subprocess.run([sys.executable, "-c", _RESTORE_SCRIPT, wd, out, json.dumps(mesh)],
-                           cwd=REPO_ROOT, env=env(devices, data_dir), capture_output=True,
-                           text=True, timeout=300)
-        assert p.returncode == 0, p.stderr[-3000:]
-        info = json.loads(p.stdout.strip().splitlines()[-1])
+        if devices == 1:  # this process has one device
+            info = restore_digest(wd, out, mesh)
+        else:
+            p = subprocess.run([sys.executable, "-c", _RESTORE_SCRIPT, wd, out, json.dumps(mesh)],
+                               cwd=REPO_ROOT, env=env(devices, data_dir), capture_output=True,
+                               text=True, timeout=300)
+            assert p.returncode == 0, p.stderr[-3000:]
+            info = json.loads(p.stdout.strip().splitlines()[-1])
         assert info["step"] == 2 and info["devices"] == devices
         if mesh[1] * mesh[2] > 1:  # params really are split over the new mesh
             assert info["split"], info
