@@ -7,6 +7,7 @@ import functools
 import json
 import math
 import os
+import sys
 import time
 
 import flax
@@ -51,6 +52,11 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> tupl
         raise ValueError(f"config.data.seq_len must be positive, got {config.data.seq_len}")
     if t.steps <= 0:
         raise ValueError(f"config.train.steps must be positive, got {t.steps}")
+    for section, keys in _POSITIVE.items():
+        for key in keys:
+            value = config[section].get(key)
+            if value is not None and value <= 0:
+                raise ValueError(f"config.{section}.{key} must be positive, got {value}")
     rows = shape[0] * shape[1]
     if t.batch_size % (rows * t.grad_accum):
         raise ValueError(
@@ -59,10 +65,32 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> tupl
     for key in ("checkpoint_every", "eval_every", "log_every"):
         if t[key] <= 0:
             raise ValueError(f"config.train.{key} must be positive, got {t[key]}")
+    if t.lr < 0:
+        raise ValueError(f"config.train.lr={t.lr} is negative: the updates would climb the loss; "
+                         "use a positive learning rate")
+    if t.lr == 0 and jax.process_index() == 0:
+        print("WARNING: config.train.lr=0: the params will not change during training",
+              file=sys.stderr, flush=True)
     if m.num_heads % m.num_kv_heads:
         raise ValueError(f"config.model.num_heads={m.num_heads} is not a multiple of "
                          f"config.model.num_kv_heads={m.num_kv_heads}")
+    if m.get("position") == "rope" and m.head_dim % 2:
+        raise ValueError(f"config.model.head_dim={m.head_dim} is odd: RoPE rotates pairs of "
+                         "channels; use an even head_dim")
+    if m.num_kv_heads % shape[2]:
+        raise ValueError(f"config.mesh.tensor={shape[2]} does not divide config.model.num_kv_heads="
+                         f"{m.num_kv_heads}: tensor parallelism splits the KV heads; pick a tensor "
+                         "size that divides them")
     return shape
+
+
+# sizes that must be >= 1 (a key absent from a task's config is skipped); keep_checkpoints=0
+# would keep no checkpoint at all, so a rerun would start over
+_POSITIVE = {
+    "model": ("d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "ffn_dim",
+              "vocab_size", "max_seq_len"),
+    "train": ("batch_size", "grad_accum", "keep_checkpoints"),
+}
 
 
 def make_train_step(task, tx, grad_accum: int, schedule=None):
@@ -185,6 +213,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     t = config.train
     is_main = jax.process_index() == 0
     shape = validate_config(config, jax.device_count())
+    if os.path.exists(workdir) and not os.path.isdir(workdir):
+        raise ValueError(f"the workdir {workdir} is a file, not a folder; pass another --workdir")
     task = tasks.TASKS.get(config.task)(config)
     mesh, rules = mesh_lib.make_mesh(config.mesh), mesh_lib.logical_rules(config.mesh)
     tx = make_optimizer(t, frozen_mask=functools.partial(frozen_param_mask, config.model),

@@ -25,6 +25,8 @@ def cfg(tmp_path):
 @pytest.mark.parametrize("override,expect", [
     ("--config.train.stepz=3", "unknown config key in --config.train.stepz=3"),
     ("--config.train.steps=abc", "--config.train.steps=abc"),
+    ("--config.train.lr=-0.01", "config.train.lr=-0.01 is negative"),
+    ("--config.train.keep_checkpoints=0", "config.train.keep_checkpoints must be positive"),
 ])
 def test_bad_overrides_fail_in_one_line(tmp_path, override, expect):
     p = run_main(str(tmp_path / "w"), override, check=False, timeout=120)
@@ -32,6 +34,48 @@ def test_bad_overrides_fail_in_one_line(tmp_path, override, expect):
     assert expect in p.stderr
     assert "Traceback" not in p.stderr
     assert not os.path.exists(tmp_path / "w" / "checkpoints")
+
+
+@pytest.mark.parametrize("section,key,value,expect", [
+    ("train", "lr", -1e-3, "is negative"),
+    ("train", "keep_checkpoints", 0, "keep_checkpoints must be positive"),
+    ("train", "batch_size", 0, "batch_size must be positive"),
+    ("train", "grad_accum", 0, "grad_accum must be positive"),
+    ("train", "grad_accum", -2, "grad_accum must be positive"),
+    ("model", "num_heads", 0, "num_heads must be positive"),
+    ("model", "num_kv_heads", 0, "num_kv_heads must be positive"),
+    ("model", "head_dim", -8, "head_dim must be positive"),
+    ("model", "head_dim", 7, "head_dim=7 is odd"),
+    ("model", "d_model", 0, "d_model must be positive"),
+    ("model", "ffn_dim", 0, "ffn_dim must be positive"),
+])
+def test_bad_sizes_and_rates_stop_before_any_compute(cfg, tmp_path, section, key, value, expect):
+    """Found by validate_config, before the workdir is created or anything compiles."""
+    cfg[section][key] = value
+    wd = tmp_path / "w"
+    with pytest.raises(ValueError, match=expect):
+        trainer.train_and_evaluate(cfg, str(wd))
+    assert not wd.exists()
+
+
+def test_zero_lr_warns_and_tensor_must_divide_kv_heads(cfg, capsys):
+    cfg.train.lr = 0.0
+    trainer.validate_config(cfg, 1)
+    assert "config.train.lr=0" in capsys.readouterr().err
+    cfg.train.lr = 1e-3
+    cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = 1, 1, 4  # tiny: 2 KV heads
+    with pytest.raises(ValueError, match="config.mesh.tensor=4 does not divide"):
+        trainer.validate_config(cfg, 4)
+    cfg.mesh.tensor = 2
+    trainer.validate_config(cfg, 2)
+
+
+def test_workdir_that_is_a_file(cfg, tmp_path):
+    f = tmp_path / "w"
+    f.write_text("not a folder")
+    with pytest.raises(ValueError, match="is a file, not a folder"):
+        trainer.train_and_evaluate(cfg, str(f))
+    assert f.read_text() == "not a folder"
 
 
 def test_mesh_that_does_not_divide_devices(cfg, tmp_path):
