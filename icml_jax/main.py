@@ -86,8 +86,36 @@ def _exit(code: int, multi: bool):
     sys.exit(code)
 
 
+def config_flag_error(argv) -> str | None:
+    """The one-line error for a ``--config`` (the last one, as absl reads it) that names no file
+    or an unknown preset, else None; absl would report either as a traceback."""
+    from icml_jax.config_utils import load_config  # pylint: disable=g-import-not-at-top
+    spec = None
+    for i, a in enumerate(argv[1:], 1):
+        if a.startswith("--config="):
+            spec = a.split("=", 1)[1]
+        elif a == "--config" and i + 1 < len(argv):
+            spec = argv[i + 1]
+    if not spec:
+        return None
+    path = spec.partition(":")[0]
+    if not os.path.isfile(path):
+        return (f"--config={spec}: no config file {path!r} (relative to {os.getcwd()}); "
+                "e.g. --config=configs/lm.py:tiny")
+    try:
+        load_config(spec)
+    except ValueError as e:  # an unknown preset
+        return f"--config={spec}: {e}"
+    return None
+
+
 def run():
-    """app.run with config-override mistakes reported in one line instead of a traceback."""
+    """app.run with config mistakes (missing file, unknown preset or key) reported in one line
+    instead of a traceback."""
+    bad_config = config_flag_error(sys.argv)
+    if bad_config:
+        print(f"error: {bad_config}", file=sys.stderr)
+        sys.exit(2)
     try:
         app.run(main)
     except (KeyError, AttributeError) as e:

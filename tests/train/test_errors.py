@@ -27,6 +27,8 @@ def cfg(tmp_path):
     ("--config.train.steps=abc", "--config.train.steps=abc"),
     ("--config.train.lr=-0.01", "config.train.lr=-0.01 is negative"),
     ("--config.train.keep_checkpoints=0", "config.train.keep_checkpoints must be positive"),
+    ("--config=configs/nope.py", "--config=configs/nope.py: no config file 'configs/nope.py'"),
+    ("--config=configs/lm.py:hueg", "unknown preset 'hueg'; choose one of"),
 ])
 def test_bad_overrides_fail_in_one_line(tmp_path, override, expect):
     p = run_main(str(tmp_path / "w"), override, check=False, timeout=120)
