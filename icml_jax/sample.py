@@ -50,6 +50,7 @@ def read_workdir(workdir: str):
     """(config, tokenizer) of a training workdir, checked without loading JAX or the params:
     the folder, its config.json and a checkpoints/ folder must exist."""
     from icml_jax.data.tokenizers import build_tokenizer  # pylint: disable=g-import-not-at-top
+    from icml_jax.train import missing_checkpoints  # pylint: disable=g-import-not-at-top
 
     if not os.path.isdir(workdir):
         raise SampleError(f"--checkpoint={workdir}: no such folder")
@@ -59,9 +60,9 @@ def read_workdir(workdir: str):
                           "writes config.json and checkpoints/ there)")
     with open(cfg_path) as f:
         config = ml_collections.ConfigDict(json.load(f))
-    if not os.path.isdir(os.path.join(workdir, "checkpoints")):
-        raise SampleError(f"{workdir}: no checkpoints/ folder; train there first (e.g. `python -m "
-                          f"icml_jax.main --config=configs/lm.py:tiny --workdir={workdir}`)")
+    error = missing_checkpoints(workdir)
+    if error:
+        raise SampleError(error)
     tokenizer = build_tokenizer(config.data.tokenizer)
     if tokenizer.vocab_size > config.model.vocab_size:
         raise SampleError(f"tokenizer vocab {tokenizer.vocab_size} > model vocab "

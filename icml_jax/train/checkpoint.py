@@ -28,6 +28,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
+from icml_jax.train import missing_checkpoints
+
 
 class CheckpointError(RuntimeError):
     pass
@@ -148,9 +150,9 @@ def restore_params(workdir: str, abstract_params):
     saved train state (optimizer, rng, data iterator) is not read. An unreadable step is skipped
     with a warning; nothing is moved or deleted (the workdir may belong to a live run)."""
     directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
-    if not os.path.isdir(directory):
-        raise CheckpointError(f"{workdir}: no checkpoints/ folder; train there first (e.g. "
-                              f"`python -m icml_jax.main --config=configs/lm.py:tiny --workdir={workdir}`)")
+    error = missing_checkpoints(workdir)
+    if error:
+        raise CheckpointError(error)
     manager = ocp.CheckpointManager(
         directory, options=ocp.CheckpointManagerOptions(read_only=True, create=False),
         item_handlers={"state": ocp.PyTreeCheckpointHandler()})

@@ -23,6 +23,7 @@ from icml_jax import tasks
 from icml_jax.analysis.flops import train_flops_per_token
 from icml_jax.models.positions import frozen_param_mask
 from icml_jax.train import checkpoint as ckpt_lib
+from icml_jax.train import missing_checkpoints
 from icml_jax.train import distributed
 from icml_jax.train import mesh as mesh_lib
 from icml_jax.train.metrics import MetricsWriter, plot_loss_curve
@@ -359,8 +360,9 @@ def load_state(config: ml_collections.ConfigDict, workdir: str, devices=None):
     tx = make_optimizer(config.train, frozen_mask=functools.partial(frozen_param_mask, config.model),
                         model_cfg=config.model)
     abstract = abstract_state(task, tx, config, mesh, rules)
-    if not os.path.isdir(os.path.join(workdir, "checkpoints")):
-        raise ckpt_lib.CheckpointError(f"{workdir}: no checkpoints/ folder to load")
+    error = missing_checkpoints(workdir)
+    if error:
+        raise ckpt_lib.CheckpointError(error)
     ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=10**9, async_save=False)
     try:
         state, step = ckpt.restore_latest(abstract, None)

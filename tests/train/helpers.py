@@ -26,24 +26,19 @@ def run_main(workdir, *overrides, devices=1, timeout=300, check=True, data_dir=N
     return p
 
 
-def apply_overrides(config, overrides):
-    """``--config.a.b=v`` command-line overrides applied to ``config``, ``v`` parsed as the
-    type of the value it replaces (bool, int, float; anything else stays a string)."""
-    for o in overrides:
-        if not o.startswith("--config.") or "=" not in o:
-            raise ValueError(f"not a --config.KEY=VALUE override: {o!r}")
-        key, value = o[len("--config."):].split("=", 1)
-        *parents, leaf = key.split(".")
-        node = config
-        for name in parents:
-            node = node[name]
-        old = node[leaf]
-        if isinstance(old, bool):
-            value = {"True": True, "False": False}[value]
-        elif isinstance(old, (int, float)):
-            value = type(old)(value)
-        node[leaf] = value
-    return config
+def cli_config(config, *overrides):
+    """The config ``python -m icml_jax.main --config=CONFIG OVERRIDES`` trains, parsed by the same
+    absl/ml_collections flag as the entry point (so overrides mean exactly what they mean there)."""
+    from absl import flags
+    from ml_collections import config_flags
+    path, _, preset = config.partition(":")
+    spec = os.path.join(REPO_ROOT, path) + (f":{preset}" if preset else "")
+    argv = ["icml_jax.main", f"--config={spec}", *overrides]
+    fv = flags.FlagValues()  # the overrides are read from sys_argv, not sys.argv
+    config_flags.DEFINE_config_file("config", None, flag_values=fv, lock_config=True,
+                                    sys_argv=argv)
+    fv(argv)
+    return fv.config
 
 
 def train_in_process(workdir, *overrides, config="configs/lm.py:tiny", data_dir=None):
@@ -52,7 +47,7 @@ def train_in_process(workdir, *overrides, config="configs/lm.py:tiny", data_dir=
     subprocesses' $TFDS_DATA_DIR) goes in as ``config.data.data_dir``: TFDS reads the variable
     once, when it is first imported, so setting it now would not reach this process."""
     from icml_jax.train import trainer
-    cfg = apply_overrides(load_config(config, unlocked=True), overrides)
+    cfg = cli_config(config, *overrides)
     if data_dir:
         cfg.data.data_dir = data_dir
     return trainer.train_and_evaluate(cfg, str(workdir))

@@ -2,8 +2,8 @@
 
 The processes talk over 127.0.0.1 only (coordinator + gloo collectives). Checked: the 2-process
 run's losses equal a 1-process 1-device run's (the test's own process); its checkpoint resumes
-exactly in 1 process on 1 device; a checkpoint restores onto other device counts and mesh shapes with the same params;
-a process that dies makes the other stop with an error; no socket leaves the loopback interface.
+exactly in 1 process on 1 device; a checkpoint restores onto other device counts and mesh shapes
+with the same params; a process that dies makes the other stop with an error; no socket leaves the loopback interface.
 """
 import json
 import os

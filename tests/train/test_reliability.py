@@ -23,7 +23,6 @@ def data_dir(session_tfds_dir):
     return session_tfds_dir  # the Shakespeare build is shared with the worker's other runs
 
 
-
 def test_sigkill_mid_training_resumes_exactly(tmp_path, data_dir):
     args = ["--config.train.steps=40", "--config.train.checkpoint_every=5",
             "--config.train.async_checkpoint=True", "--config.train.samples=0"]
@@ -58,16 +57,16 @@ def test_sigkill_mid_training_resumes_exactly(tmp_path, data_dir):
 
 
 _SHARDED_SCRIPT = r"""
-import json, sys, jax
+import json, sys
 from icml_jax.config_utils import load_config
 from icml_jax.train import trainer
+from tests.train.helpers import sharding_digest
 
 c = load_config("configs/lm.py:tiny", unlocked=True)
 c.train.samples = 0
 c.train.steps = 12
 c.mesh.data, c.mesh.fsdp, c.mesh.tensor = [int(x) for x in sys.argv[2:5]]
 s = trainer.train_and_evaluate(c, sys.argv[1])
-from tests.train.helpers import sharding_digest
 print("RESULT" + json.dumps(sharding_digest(s)))
 """
 
