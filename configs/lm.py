@@ -116,6 +116,13 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.checkpoint_every = 200
     c.train.keep_checkpoints = 3
     c.train.async_checkpoint = True
+    # CRC32 of every checkpoint file, written after each save and checked on restore (a step whose
+    # files changed is set aside and the previous one is used); costs one read of each checkpoint
+    c.train.checkpoint_checksums = True
+    # True: move this workdir's previous run (checkpoints, metrics, config) to previous_runs/<time>/
+    # and train from step 0; needed to reuse a workdir with another model, data or seed. Drop the
+    # flag again to resume.
+    c.train.start_over = False
     c.train.samples = 3  # generated samples printed at the end (0 = none)
     c.train.sample_len = 120
     c.train.sample_temperature = 0.8

@@ -59,11 +59,15 @@ def main(argv):
 
     from icml_jax.train import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
     from icml_jax.train import trainer  # pylint: disable=g-import-not-at-top
+    from icml_jax.train.workdir import WorkdirError  # pylint: disable=g-import-not-at-top
 
     where = f"process {jax.process_index()} of {jax.process_count()}: " if multi else ""
     try:
         trainer.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
-    except (ValueError, FileNotFoundError, ckpt_lib.CheckpointError,
+    except trainer.Interrupted as e:  # exit status of a process killed by that signal
+        print(f"{where}{e}", file=sys.stderr, flush=True)
+        _exit(128 + e.signum, multi)
+    except (ValueError, FileNotFoundError, ckpt_lib.CheckpointError, WorkdirError,
             trainer.NonFiniteLossError) as e:
         print(f"error: {where}{e}", file=sys.stderr, flush=True)
         _exit(1, multi)

@@ -58,8 +58,14 @@ def read_workdir(workdir: str):
     if not os.path.exists(cfg_path):
         raise SampleError(f"{workdir}: no config.json; is this a training workdir? (the trainer "
                           "writes config.json and checkpoints/ there)")
-    with open(cfg_path) as f:
-        config = ml_collections.ConfigDict(json.load(f))
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            config = ml_collections.ConfigDict(json.load(f))
+        config.model.vocab_size, config.model.max_seq_len, config.data.tokenizer  # pylint: disable=pointless-statement
+    except (ValueError, TypeError, AttributeError, KeyError) as e:  # incl. JSON / UTF-8 errors
+        raise SampleError(f"{cfg_path}: not a trainer config ({type(e).__name__}: "
+                          f"{str(e)[:200]}); the trainer rewrites it on the next run of this "
+                          "workdir") from None
     error = missing_checkpoints(workdir)
     if error:
         raise SampleError(error)
@@ -84,8 +90,11 @@ def load_hf_folder(path: str):
         raise SampleError(f"--hf is not available: icml_jax.interop could not be imported ({e})") from e
     if not os.path.isdir(path):
         raise SampleError(f"--hf={path}: no such folder")
-    model_cfg, params = load_hf(path)
-    return model_cfg, params, load_hf_tokenizer(path), path
+    try:
+        model_cfg, params = load_hf(path)
+        return model_cfg, params, load_hf_tokenizer(path), path
+    except (ValueError, KeyError, OSError) as e:  # interop errors name the file and the tensor
+        raise SampleError(f"--hf={path}: {str(e).strip(chr(34) + chr(39))}") from None
 
 
 def run(argv_flags) -> list[str]:

@@ -1,11 +1,12 @@
 """TFDS builder for your own text: a folder of ``.txt`` files or a ``.jsonl`` file.
 
 * Folder (``config.data.name='text_files'``, ``config.data.path=DIR``): every ``*.txt`` below DIR
-  (recursively, sorted) is one document; its key and title are the path relative to DIR.
+  (recursively, sorted) is one document; its key and title are the path relative to DIR. Bytes
+  that are not UTF-8 are read as U+FFFD, with a warning naming the file and the count.
 * JSONL (``config.data.name='jsonl'``, or ``'text_files'`` with a ``.jsonl`` path): every non-blank
   line is a JSON object whose ``config.data.text_key`` field (default ``"text"``) is a string; one
-  document per line, keyed by its 1-based line number. A malformed row raises a ValueError naming
-  the file, the line and the field. Blank lines are skipped; empty documents are dropped.
+  document per line, keyed by its 1-based line number. A malformed row (not UTF-8, not JSON, no
+  such string field) raises a ValueError naming the file, the line and the field. Blank lines are skipped; empty documents are dropped.
 
 Split (deterministic, stable when documents are added): u = sha256(key) as a number in [0, 1);
 ``validation`` if u < 0.05, ``test`` if 0.05 <= u < 0.10, else ``train``. Tiny corpora are then
@@ -25,6 +26,7 @@ import glob
 import hashlib
 import json
 import os
+import warnings
 from collections.abc import Iterator
 
 import tensorflow_datasets as tfds
@@ -104,14 +106,34 @@ def _txt_files(folder: str) -> list[str]:
 
 
 def _read_txt(path: str) -> str:
-    with open(path, encoding="utf-8", errors="replace") as f:
-        return f.read()
+    """The file as UTF-8; undecodable bytes become U+FFFD (``_scan`` warns about them)."""
+    with open(path, "rb") as f:
+        return f.read().decode("utf-8", errors="replace")
+
+
+def _undecodable(path: str) -> int:
+    """How many bytes of the file are not valid UTF-8."""
+    with open(path, "rb") as f:
+        data = f.read()
+    count, start = 0, 0
+    while True:
+        try:
+            data[start:].decode("utf-8")
+            return count
+        except UnicodeDecodeError as e:
+            count += e.end - e.start
+            start += e.end
 
 
 def _iter_jsonl(path: str, text_key: str) -> Iterator[tuple[int, str]]:
     """Yields (line_number, text) for every non-blank line; raises ValueError on bad rows."""
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid UTF-8 (byte {e.start} of the line); "
+                                 "save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8).") from None
             if not line.strip():
                 continue
             try:
@@ -139,6 +161,11 @@ def _scan(path: str, text_key: str) -> list[_Doc]:
         root = path
         docs = [_Doc(os.path.relpath(f, root), os.path.relpath(f, root))
                 for f in _txt_files(path) if _read_txt(f).strip()]
+        for f in _txt_files(path):
+            bad = _undecodable(f)
+            if bad:
+                warnings.warn(f"{f}: {bad} byte(s) are not valid UTF-8 and are read as U+FFFD; "
+                              "save the file as UTF-8 to keep them", UnicodeWarning, stacklevel=2)
     else:
         name = os.path.basename(path)
         docs = [_Doc(str(lineno), f"{name}:{lineno}")

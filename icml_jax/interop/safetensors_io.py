@@ -40,9 +40,24 @@ class SafetensorsFile:
                 header = json.loads(f.read(n))
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise ValueError(f"{path}: corrupt safetensors header ({e})") from e
+        if not isinstance(header, dict):
+            raise ValueError(f"{path}: corrupt safetensors header (a JSON {type(header).__name__}, "
+                             "not an object)")
         self.metadata = header.pop("__metadata__", None) or {}
         self.header = header
         self.data_start = 8 + n
+        size = os.path.getsize(path)
+        for name, info in header.items():
+            try:
+                begin, end = (int(v) for v in info["data_offsets"])
+                tuple(info["shape"]), info["dtype"]  # pylint: disable=expression-not-assigned
+            except (TypeError, KeyError, ValueError):
+                raise ValueError(f"{path}: corrupt safetensors header: entry {name!r} lacks "
+                                 "dtype/shape/data_offsets") from None
+            if not 0 <= begin <= end or self.data_start + end > size:
+                raise ValueError(f"{path}: tensor {name!r} lies at bytes {begin}..{end} of the data, "
+                                 f"beyond the file's {size - self.data_start}; the file is truncated "
+                                 "or corrupt (download it again)")
 
     def keys(self) -> list[str]:
         return list(self.header)

@@ -16,6 +16,7 @@ into the new shardings).
 Checkpoints of earlier versions kept the iterator as grain's per-process files (``data``); they
 still restore when the process count is the one that wrote them.
 """
+import errno
 import json
 import os
 import sys
@@ -29,15 +30,24 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from icml_jax.train import missing_checkpoints
+from icml_jax.train import workdir as workdir_lib
 
 
 class CheckpointError(RuntimeError):
     pass
 
 
+class CheckpointMismatchError(CheckpointError):
+    """The checkpoint is readable but holds another structure than the one asked for (another
+    model, optimizer or task): nothing is moved, the run stops."""
+
+
 class Checkpointer:
-    def __init__(self, directory: str, keep: int = 3, async_save: bool = True):
+    def __init__(self, directory: str, keep: int = 3, async_save: bool = True,
+                 checksums: bool = True):
         self.directory = os.path.abspath(directory)
+        self.checksums = checksums
+        self._unsealed = []  # steps saved by this run whose checksum manifest is not written yet
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                                enable_async_checkpointing=async_save)
         self.manager = ocp.CheckpointManager(
@@ -48,20 +58,59 @@ class Checkpointer:
                            "config": ocp.JsonCheckpointHandler()})
 
     def save(self, step: int, state, data_iter, config_dict: dict) -> None:
+        self._seal()
         args = {"state": ocp.args.StandardSave(state), "config": ocp.args.JsonSave(config_dict)}
         if data_iter is not None:
-            args["data_state"] = ocp.args.JsonSave(_data_state(data_iter))
+            args["data_state"] = ocp.args.JsonSave({**_data_state(data_iter), "step": int(step)})
         self.manager.save(step, args=ocp.args.Composite(**args), force=True)
+        self._unsealed.append(int(step))
+
+    def _seal(self):
+        """Waits for the save in flight, then writes the checksum manifest of every step this run
+        committed (process 0; the other processes' shards are committed by then)."""
+        if not self._unsealed:
+            return
+        self.manager.wait_until_finished()
+        if self.checksums and jax.process_index() == 0:
+            for step in self._unsealed:
+                path = os.path.join(self.directory, str(step))
+                if os.path.isdir(path):  # not already deleted by max_to_keep
+                    workdir_lib.write_manifest(path)
+        self._unsealed = []
 
     def all_steps(self):
         return sorted(self.manager.all_steps())
 
     def restore_latest(self, abstract_state, data_iter):
         """Restores the newest readable step into ``abstract_state`` (ShapeDtypeStructs with
-        shardings) and ``data_iter``; returns (state, step), or (None, 0) without checkpoints."""
+        shardings) and ``data_iter``; returns (state, step), or (None, 0) without checkpoints.
+
+        A step is set aside (``corrupt_<step>_<time>``, never deleted) only when it is unreadable
+        on its own terms: a file differs from its recorded checksum, its metadata cannot be parsed,
+        its arrays cannot be read, or its data-iterator state belongs to another step; then the
+        previous step is tried. A step that reads fine but holds another structure raises
+        ``CheckpointMismatchError``, and an I/O permission problem raises ``CheckpointError``;
+        both leave every file where it is."""
         steps = self.all_steps()
         for step in reversed(steps):
             path = os.path.join(self.directory, str(step))
+            problem = workdir_lib.verify_manifest(path) if self.checksums else None
+            if problem:
+                self._set_aside(step, f"a file differs from when it was saved: {problem}")
+                continue
+            try:
+                saved = self.manager.item_metadata(step)["state"]
+            except Exception as e:  # noqa: BLE001 - unparsable metadata
+                self._raise_if_environment(e, path)
+                self._set_aside(step, f"{type(e).__name__}: {str(e)[:300]}")
+                continue
+            differences = tree_differences(saved, abstract_state)
+            if differences:
+                raise CheckpointMismatchError(
+                    f"{path} holds a train state of another structure than this config builds "
+                    f"({'; '.join(differences)}); nothing was moved. Resume with the config that "
+                    "wrote it, or train elsewhere (another --workdir, or "
+                    "--config.train.start_over=True to move this run aside)")
             try:
                 args = {"state": ocp.args.StandardRestore(abstract_state)}
                 json_data = os.path.isdir(os.path.join(path, "data_state"))
@@ -70,38 +119,119 @@ class Checkpointer:
                         ocp.args.JsonRestore() if json_data
                         else grain.checkpoint.CheckpointRestore(data_iter))
                 restored = self.manager.restore(step, args=ocp.args.Composite(**args))
-                if data_iter is not None and json_data:
-                    data_iter.set_state(restored["data_state"]["iterator"])
-                return restored["state"], step
             except Exception as e:  # noqa: BLE001 - any read/parse failure means a bad checkpoint
-                if jax.process_count() > 1:
-                    raise CheckpointError(
-                        f"process {jax.process_index()}: checkpoint {path} could not be restored "
-                        f"({type(e).__name__}: {str(e)[:300]}). Nothing was moved or deleted; "
-                        "resume this workdir in a single process (it then moves the bad step "
-                        "aside and falls back to the previous one), or start a new --workdir"
-                    ) from e
-                if os.path.isdir(path):
-                    aside = os.path.join(self.directory, f"corrupt_{step}_{int(time.time())}")
-                    os.rename(path, aside)
-                    logging.warning("checkpoint %s could not be restored (%s: %s); moved it to %s "
-                                    "and trying the previous one", path, type(e).__name__, e, aside)
-                    print(f"WARNING: checkpoint {path} is unreadable ({type(e).__name__}: "
-                          f"{str(e)[:300]}); moved it to {aside}, falling back to the previous step")
-                self.manager.reload()
+                self._raise_if_environment(e, path)
+                self._set_aside(step, f"{type(e).__name__}: {str(e)[:300]}")
+                continue
+            if data_iter is not None and json_data:
+                saved_step = restored["data_state"].get("step", step)
+                if saved_step != step:
+                    self._set_aside(step, f"its data-iterator state is the one of step {saved_step}")
+                    continue
+                data_iter.set_state(restored["data_state"]["iterator"])
+            return restored["state"], step
         if steps:
             raise CheckpointError(
                 f"none of the checkpoints {steps} in {self.directory} could be restored; "
                 "see the warnings above, or start fresh in a new --workdir")
         return None, 0
 
+    def _raise_if_environment(self, e: Exception, path: str):
+        """A failure of the file system (permissions, a read-only or full disk) says nothing about
+        the checkpoint: stop without moving it."""
+        if _environmental(e):
+            raise CheckpointError(
+                f"checkpoint {path} could not be read because of the file system "
+                f"({type(e).__name__}: {str(e)[:300]}); nothing was moved. Fix the permissions "
+                "(or the mount) and rerun") from e
+
+    def _set_aside(self, step: int, why: str):
+        path = os.path.join(self.directory, str(step))
+        if jax.process_count() > 1:
+            raise CheckpointError(
+                f"process {jax.process_index()}: checkpoint {path} could not be restored ({why}). "
+                "Nothing was moved or deleted; resume this workdir in a single process (it then "
+                "moves the bad step aside and falls back to the previous one), or start a new "
+                "--workdir")
+        if os.path.isdir(path):
+            aside = os.path.join(self.directory, f"corrupt_{step}_{int(time.time())}")
+            os.rename(path, aside)
+            logging.warning("checkpoint %s could not be restored (%s); moved it to %s", path, why,
+                            aside)
+            print(f"WARNING: checkpoint {path} is unreadable ({why}); moved it to {aside}, "
+                  "falling back to the previous step", flush=True)
+        self.manager.reload()
+
     def wait(self):
-        """Blocks until an asynchronous save has been committed."""
+        """Blocks until an asynchronous save has been committed (and its checksums written)."""
         self.manager.wait_until_finished()
+        self._seal()
 
     def close(self):
         self.manager.wait_until_finished()
+        self._seal()
         self.manager.close()
+
+
+def _environmental(e: BaseException) -> bool:
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS,
+                                                  errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(e)
+        if "PERMISSION_DENIED" in text or "Permission denied" in text:
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _leaf_name(path) -> str:
+    parts = []
+    for k in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return ".".join(parts)
+
+
+def _leaves(tree) -> dict:
+    """{dotted leaf name: (shape, dtype name)} of arrays, ShapeDtypeStructs or orbax metadata."""
+    return {_leaf_name(p): (tuple(x.shape), np.dtype(x.dtype).name)
+            for p, x in jax.tree_util.tree_leaves_with_path(tree)
+            if hasattr(x, "shape") and hasattr(x, "dtype")}
+
+
+def tree_differences(saved, wanted, prefix: str = "", ignore=()) -> list[str]:
+    """How the leaves of ``saved`` (a checkpoint's metadata tree) and ``wanted`` (the restore
+    target) differ: names missing from the checkpoint, names only the checkpoint has (except
+    those under an ``ignore`` path) and leaves of another shape or dtype; [] when they match.
+    ``prefix`` is put before every name shown."""
+    a, b = _leaves(saved), _leaves(wanted)
+
+    def names(keys):
+        keys = sorted(keys)
+        shown = ", ".join(prefix + k for k in keys[:6])
+        return shown + (f" and {len(keys) - 6} more" if len(keys) > 6 else "")
+
+    out = []
+    missing = set(b) - set(a)
+    extra = {k for k in set(a) - set(b) if not any(k == i or k.startswith(i + ".") for i in ignore)}
+    if missing:
+        out.append(f"missing from the checkpoint: {names(missing)}")
+    if extra:
+        out.append(f"in the checkpoint but not in this model: {names(extra)}")
+    changed = sorted(k for k in set(a) & set(b) if a[k] != b[k])
+    for k in changed[:6]:
+        out.append(f"{prefix}{k} is {list(a[k][0])} {a[k][1]} in the checkpoint, "
+                   f"{list(b[k][0])} {b[k][1]} here")
+    if len(changed) > 6:
+        out.append(f"and {len(changed) - 6} more leaves of another shape or dtype")
+    return out
 
 
 def _allgather_json(obj) -> list:
@@ -142,12 +272,15 @@ def _positions_differ(states):
         "batch size, streams and seed)")
 
 
-def restore_params(workdir: str, abstract_params):
+def restore_params(workdir: str, abstract_params, ignore=()):
     """Only the params of the newest readable step of a training workdir -> (params, step).
 
     ``abstract_params`` is a pytree of ``jax.ShapeDtypeStruct`` with shardings (the layout to
     restore into: any mesh or device count, whatever the run that wrote it used). The rest of the
-    saved train state (optimizer, rng, data iterator) is not read. An unreadable step is skipped
+    saved train state (optimizer, rng, data iterator) is not read. The checkpoint's params must be
+    exactly the target's: a leaf missing from either side, or of another shape or dtype, raises
+    ``CheckpointMismatchError`` naming them, except checkpoint leaves under the dotted param paths
+    the caller declares unused (``ignore``, e.g. ``("io.lm_head",)``). An unreadable step (checksum, read error) is skipped
     with a warning; nothing is moved or deleted (the workdir may belong to a live run)."""
     directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
     error = missing_checkpoints(workdir)
@@ -163,18 +296,41 @@ def restore_params(workdir: str, abstract_params):
     target = {"params": abstract_params}
     errors = []
     for step in reversed(steps):
+        path = os.path.join(directory, str(step))
         try:
+            problem = workdir_lib.verify_manifest(path)
+            if problem:
+                raise CheckpointError(f"a file differs from when it was saved: {problem}")
+            saved = manager.item_metadata(step)["state"]
+            differences = tree_differences(saved.get("params", {}), abstract_params, "params.",
+                                           ignore)
+            if differences:
+                task = _saved_task(path)
+                raise CheckpointMismatchError(
+                    f"{path}: its params do not fit the model asked for ("
+                    + "; ".join(differences) + ")" + (f"; the workdir was trained by task {task!r}"
+                                                     if task else ""))
             restored = manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.PyTreeRestore(
                     target, partial_restore=True,
                     restore_args=ocp.checkpoint_utils.construct_restore_args(target))))
             return restored["state"]["params"], step
+        except CheckpointMismatchError:
+            raise
         except Exception as e:  # noqa: BLE001 - any read/parse failure: try the previous step
             errors.append(f"step {step}: {type(e).__name__}: {str(e)[:300]}")
-            print(f"WARNING: checkpoint {directory}/{step} could not be restored "
+            print(f"WARNING: checkpoint {path} could not be restored "
                   f"({type(e).__name__}: {str(e)[:300]}); trying the previous step", file=sys.stderr)
     raise CheckpointError(f"none of the checkpoints {steps} in {directory} could be restored:\n  "
                           + "\n  ".join(errors))
+
+
+def _saved_task(step_dir: str) -> str | None:
+    try:
+        with open(os.path.join(step_dir, "config", "metadata")) as f:
+            return json.load(f).get("task")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def restore_model_params(workdir: str, model_cfg):

@@ -230,3 +230,11 @@ def process_rows(sharding, global_batch: int) -> tuple[int, int]:
             "not one aligned block; order config.mesh so that each process's devices are "
             "contiguous along data*fsdp (put 'tensor' within a host)")
     return start // size, global_batch // size
+
+
+def barrier(name: str) -> None:
+    """Waits until every process of a multi-process run reaches this point (no-op alone)."""
+    import jax  # pylint: disable=g-import-not-at-top
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+        multihost_utils.sync_global_devices(name)

@@ -7,7 +7,10 @@ import functools
 import json
 import math
 import os
+import signal
 import sys
+import tempfile
+import threading
 import time
 
 import flax
@@ -26,6 +29,7 @@ from icml_jax.train import checkpoint as ckpt_lib
 from icml_jax.train import missing_checkpoints
 from icml_jax.train import distributed
 from icml_jax.train import mesh as mesh_lib
+from icml_jax.train import workdir as workdir_lib
 from icml_jax.train.metrics import MetricsWriter, plot_loss_curve
 from icml_jax.train.optimizer import lr_schedule, make_optimizer
 
@@ -39,7 +43,16 @@ class TrainState:
 
 
 class NonFiniteLossError(FloatingPointError):
-    pass
+    """The loss, the gradient norm or the updated params of a step were not finite; the run stops
+    before that state is checkpointed."""
+
+
+class Interrupted(RuntimeError):
+    """SIGINT or SIGTERM stopped the run at a step boundary (after saving a checkpoint)."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.signum = signum
 
 
 def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> tuple:
@@ -69,6 +82,9 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> tupl
     if t.lr < 0:
         raise ValueError(f"config.train.lr={t.lr} is negative: the updates would climb the loss; "
                          "use a positive learning rate")
+    if not t.lr < np.finfo(np.float32).max:
+        raise ValueError(f"config.train.lr={t.lr} is not a finite float32 (the updates would be "
+                         "inf or NaN); use a learning rate below 1e38, typically 1e-4 .. 1e-2")
     if t.lr == 0 and jax.process_index() == 0:
         print("WARNING: config.train.lr=0: the params will not change during training",
               file=sys.stderr, flush=True)
@@ -127,7 +143,12 @@ def make_train_step(task, tx, grad_accum: int, schedule=None):
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         rng = jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state.rng))[0])
-        metrics = {"loss": lsum / denom, "grad_norm": optax.global_norm(grads), "tokens": n}
+        grad_norm = optax.global_norm(grads)
+        # 1 when the state this step commits is usable: the host stops before saving otherwise
+        finite = jnp.isfinite(grad_norm) & jnp.isfinite(lsum) & jnp.all(jnp.stack(
+            [jnp.all(jnp.isfinite(p)) for p in jax.tree.leaves(params)]))
+        metrics = {"loss": lsum / denom, "grad_norm": grad_norm, "tokens": n,
+                   "finite": finite.astype(jnp.float32)}
         metrics.update({k: v / denom for k, v in msums.items()})
         if schedule is not None:
             metrics["lr"] = schedule(state.step)
@@ -165,7 +186,8 @@ def evaluate(eval_step, params, batches, to_global, perplexity: bool = True) -> 
 
 
 def _state_init(task, tx, config, mesh, rules):
-    """(init_rng, boxed init fn, NamedShardings of the TrainState) for ``mesh``."""
+    """(init_rng, boxed init fn, NamedShardings of the TrainState, its boxed shapes) for
+    ``mesh``."""
     c = config
     dummy = task.dummy_batch(1, c.data.seq_len)
     init_rng, state_rng = jax.random.split(jax.random.key(c.seed))
@@ -176,27 +198,34 @@ def _state_init(task, tx, config, mesh, rules):
                           jax.random.key_data(state_rng))
 
     with mesh, nn.logical_axis_rules(rules):
-        abstract = jax.eval_shape(init_boxed, init_rng)
-        shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, rules)
-    return init_rng, init_boxed, shardings
+        boxed = jax.eval_shape(init_boxed, init_rng)
+        shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, rules)
+    return init_rng, init_boxed, shardings, boxed
+
+
+def sharded_state(task, tx, config, mesh, rules):
+    """(abstract, shardings, init): the TrainState as ShapeDtypeStructs carrying their
+    shardings on ``mesh`` (a restore target: orbax reads a checkpoint straight into this layout),
+    its NamedShardings, and ``init()`` -> the initial state, computed by
+    ``jit(init, out_shardings)``. Only ``init`` compiles anything; a resumed run never calls it."""
+    init_rng, init_boxed, shardings, boxed = _state_init(task, tx, config, mesh, rules)
+
+    def init():
+        with mesh, nn.logical_axis_rules(rules):
+            return jax.jit(lambda r: nn.meta.unbox(init_boxed(r)), out_shardings=shardings)(init_rng)
+    return restore_target(nn.meta.unbox(boxed), shardings), shardings, init
 
 
 def create_sharded_state(task, tx, config, mesh, rules):
-    """eval_shape(init) -> logical specs -> NamedShardings -> jit(init, out_shardings)."""
-    init_rng, init_boxed, shardings = _state_init(task, tx, config, mesh, rules)
-    with mesh, nn.logical_axis_rules(rules):
-        init = jax.jit(lambda r: nn.meta.unbox(init_boxed(r)), out_shardings=shardings)
-        state = init(init_rng)
-    return state, shardings
+    """The initial TrainState and its shardings: eval_shape(init) -> logical specs ->
+    NamedShardings -> jit(init, out_shardings)."""
+    _, shardings, init = sharded_state(task, tx, config, mesh, rules)
+    return init(), shardings
 
 
 def abstract_state(task, tx, config, mesh, rules):
-    """The TrainState as ShapeDtypeStructs carrying their shardings on ``mesh`` (a restore
-    target: orbax reads a checkpoint straight into this layout)."""
-    init_rng, init_boxed, shardings = _state_init(task, tx, config, mesh, rules)
-    with mesh, nn.logical_axis_rules(rules):
-        shapes = jax.eval_shape(lambda r: nn.meta.unbox(init_boxed(r)), init_rng)
-    return restore_target(shapes, shardings)
+    """The TrainState as ShapeDtypeStructs carrying their shardings on ``mesh``."""
+    return sharded_state(task, tx, config, mesh, rules)[0]
 
 
 def restore_target(arrays, shardings):
@@ -210,40 +239,170 @@ def _config_dict(config) -> dict:
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
-    """Trains ``config`` in ``workdir`` (resuming from its latest checkpoint); returns a summary."""
-    t = config.train
-    is_main = jax.process_index() == 0
+    """Trains ``config`` in ``workdir`` (resuming from its latest checkpoint); returns a summary.
+
+    Before any compute: the config is validated, the workdir is locked for this run
+    (``workdir.WorkdirLock``; a second run on it stops at once) and, when it holds checkpoints,
+    the config they were written with is compared with this one (``_check_resume``)."""
     shape = validate_config(config, jax.device_count())
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         raise ValueError(f"the workdir {workdir} is a file, not a folder; pass another --workdir")
     task = tasks.TASKS.get(config.task)(config)
+    try:
+        os.makedirs(workdir, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"cannot create the workdir {workdir} ({e.strerror}); pass another "
+                         "--workdir") from None
+    lock = _lock_workdir(workdir)
+    try:
+        _check_resume(config, workdir)
+        with _StopOnSignal() as stop:
+            return _train(config, workdir, task, shape, stop)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _lock_workdir(workdir: str):
+    """Process 0 takes the workdir's lock; every process learns whether it got it."""
+    lock, error = None, ""
+    if jax.process_index() == 0:
+        try:
+            lock = workdir_lib.WorkdirLock(workdir).acquire()
+        except workdir_lib.WorkdirError as e:
+            error = str(e)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+        if int(multihost_utils.broadcast_one_to_all(np.int32(bool(error)))):
+            error = error or f"process 0 could not lock the workdir {workdir}; see its log"
+    if error:
+        raise workdir_lib.WorkdirError(error)
+    return lock
+
+
+def _check_resume(config, workdir: str) -> None:
+    """``config.train.start_over``: the previous run is moved aside. Otherwise, when the workdir
+    holds checkpoints, their config must agree with this one on the keys that define the train
+    state and the data stream (else ValueError naming them, nothing touched); a changed schedule
+    is reported on stderr. Also checks that checkpoints can be written there."""
+    is_main = jax.process_index() == 0
+    ckpt_dir = os.path.join(workdir, "checkpoints")
+    if config.train.get("start_over", False):
+        moved = workdir_lib.set_aside(workdir) if is_main else None
+        if moved:
+            print(f"config.train.start_over=True: moved the previous run to {moved}; training "
+                  "from step 0 (drop the flag to resume this run later)", flush=True)
+        distributed.barrier("start_over")
+    elif workdir_lib.committed_steps(ckpt_dir):
+        saved, where = workdir_lib.saved_config(workdir)
+        changes = workdir_lib.config_changes(saved, _config_dict(config)) if saved else {}
+        if changes.get("fixed"):
+            raise ValueError(
+                f"{workdir} holds checkpoints of another run: {'; '.join(changes['fixed'])} "
+                f"(saved config: {where}). Nothing was changed. Resume with the same values, "
+                "pass another --workdir, or add --config.train.start_over=True to move the old "
+                "run aside and start from step 0")
+        if changes.get("schedule") and is_main:
+            print(f"WARNING: resuming {workdir} with a changed learning-rate schedule "
+                  f"({'; '.join(changes['schedule'])}); the remaining steps follow the new one",
+                  file=sys.stderr, flush=True)
+    if is_main:
+        _check_writable(ckpt_dir)
+
+
+def _check_writable(directory: str) -> None:
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".write_probe_"):
+            pass
+    except OSError as e:
+        raise ValueError(f"checkpoints cannot be written to {directory} ({e.strerror or e}); fix "
+                         "its permissions or pass another --workdir") from None
+
+
+class _StopOnSignal:
+    """While active (main thread only): the first SIGINT/SIGTERM sets ``signum``, so the train
+    loop stops at the next step boundary; the handlers are then the previous ones again, so a
+    second signal acts at once (KeyboardInterrupt / termination)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.signum = None
+        self._previous = {}
+
+    def _handle(self, signum, frame):
+        del frame
+        self.signum = signum
+        self._restore()
+        print(f"\n{signal.Signals(signum).name}: stopping after this step (send it again to stop "
+              "at once)", file=sys.stderr, flush=True)
+
+    def _restore(self):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        self._restore()
+
+    def requested(self, step: int, every: int) -> bool:
+        """Whether to stop before ``step``. Processes of a multi-process run decide together (one
+        gather every ``every`` steps), so they all stop at the same boundary."""
+        if jax.process_count() == 1:
+            return self.signum is not None
+        if step % every:
+            return False
+        from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+        flags = multihost_utils.process_allgather(np.int32(self.signum or 0))
+        if self.signum is None and np.any(flags):
+            self.signum = int(np.max(flags))
+        return self.signum is not None
+
+
+def _train(config, workdir: str, task, shape, stop: _StopOnSignal) -> dict:
+    t = config.train
+    is_main = jax.process_index() == 0
     mesh, rules = mesh_lib.make_mesh(config.mesh), mesh_lib.logical_rules(config.mesh)
     tx = make_optimizer(t, frozen_mask=functools.partial(frozen_param_mask, config.model),
                         model_cfg=config.model)
-    os.makedirs(workdir, exist_ok=True)
-    if is_main:
-        with open(os.path.join(workdir, "config.json.tmp"), "w") as f:
-            json.dump(_config_dict(config), f, indent=2)
-        os.replace(os.path.join(workdir, "config.json.tmp"), os.path.join(workdir, "config.json"))
 
-    state, state_shardings = create_sharded_state(task, tx, config, mesh, rules)
-    n_params = sum(x.size for x in jax.tree.leaves(state.params))
+    abstract, state_shardings, init_state = sharded_state(task, tx, config, mesh, rules)
+    n_params = sum(x.size for x in jax.tree.leaves(abstract.params))
     batch_sharding = mesh_lib.batch_sharding(mesh)
     # this process feeds its rows of every global batch: those its devices hold
     shard = distributed.process_rows(batch_sharding, t.batch_size)
     data_iter = task.train_iterator(seed=config.seed, shard=shard)
     ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=t.keep_checkpoints,
-                                 async_save=t.async_checkpoint)
-    abstract = restore_target(state, state_shardings)
-    restored, start = ckpt.restore_latest(abstract, data_iter)
+                                 async_save=t.async_checkpoint,
+                                 checksums=t.get("checkpoint_checksums", True))
+    try:
+        restored, start = ckpt.restore_latest(abstract, data_iter)
+    except Exception:
+        ckpt.close()
+        raise
     log = (lambda *a: print(*a, flush=True)) if is_main else (lambda *a: None)
     if restored is not None:
         state = restored
         log(f"Resumed from {ckpt.directory}/{start}")
-    elif t.get("init_from", ""):
-        state = state.replace(params=_init_from(task, t.init_from, state.params,
-                                                state_shardings.params))
-        log(f"Initialised the params from {t.init_from}")
+    else:
+        state = init_state()
+        if t.get("init_from", ""):
+            try:
+                state = state.replace(params=_init_from(task, t.init_from, state.params,
+                                                        state_shardings.params))
+            except Exception:
+                ckpt.close()
+                raise
+            log(f"Initialised the params from {t.init_from}")
+    if is_main:  # only now: a run refused above leaves the workdir's config.json as it was
+        _write_json(os.path.join(workdir, "config.json"), _config_dict(config))
     procs = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
     log(f"Model: {n_params:,} params | mesh data={shape[0]} fsdp={shape[1]} tensor={shape[2]} "
         f"| {jax.device_count()} {jax.devices()[0].platform} device(s){procs} "
@@ -280,11 +439,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         tokens = sum(float(r["tokens"]) for r in rows) * tokens_per_unit
         tok_s = tokens / elapsed
         for (s, _), r in zip(pending, rows):
-            if not np.isfinite(r["loss"]):
+            if not (np.isfinite(r["loss"]) and r.pop("finite", 1.0) == 1.0):
                 where = (f"the last good checkpoint is step {last_good} in {ckpt.directory}"
                          if last_good is not None else "no checkpoint was written yet")
+                what = (f"loss became {float(r['loss'])}" if not np.isfinite(r["loss"]) else
+                        f"the update was not finite (loss {float(r['loss']):.4g}, gradient norm "
+                        f"{float(r['grad_norm']):.4g})")
                 raise NonFiniteLossError(
-                    f"loss became {float(r['loss'])} at step {s}; training stopped, {where}. "
+                    f"{what} at step {s}; training stopped, {where}. "
                     "Lower config.train.lr, raise config.train.warmup_steps or check the data.")
             line = {k: float(v) for k, v in r.items()}
             line.update(tokens_per_sec=tok_s,
@@ -297,8 +459,22 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             summary.update(loss=float(rows[-1]["loss"]), tokens_per_sec=tok_s)
         pending, window_start = [], time.time()
 
+    def stop_here(step):
+        """At a step boundary after SIGINT/SIGTERM: flush, checkpoint, raise Interrupted."""
+        flush()
+        saved = ""
+        if step > start:
+            if last_good != step:
+                ckpt.save(step, state, data_iter, _config_dict(config))
+            saved = f"; checkpoint {ckpt.directory}/{step} is saved"
+        name = signal.Signals(stop.signum).name
+        raise Interrupted(f"stopped by {name} after step {step}{saved}; rerun the same command "
+                          "to resume", stop.signum)
+
     try:
         for step in range(start, t.steps):
+            if stop.requested(step, t.log_every):
+                stop_here(step)
             batch = to_global(next(data_iter))
             state, metrics = train_step(state, batch)
             s = step + 1
@@ -333,11 +509,22 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         plot_loss_curve(writer.path, os.path.join(workdir, "loss_curve.png"))
         if sample:
             summary["samples"] = _print_samples(task, host_params, config, log)
-        with open(os.path.join(workdir, "summary.json.tmp"), "w") as f:
-            json.dump({k: v for k, v in summary.items()}, f, indent=2)
-        os.replace(os.path.join(workdir, "summary.json.tmp"), os.path.join(workdir, "summary.json"))
+        _write_json(os.path.join(workdir, "summary.json"), summary)
     summary["state"] = state
     return summary
+
+
+def _write_json(path: str, obj) -> None:
+    """Valid JSON (a non-finite float becomes null), written atomically."""
+    def clean(x):
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [clean(v) for v in x]
+        return None if isinstance(x, float) and not math.isfinite(x) else x
+    with open(path + ".tmp", "w") as f:
+        json.dump(clean(obj), f, indent=2, allow_nan=False)
+    os.replace(path + ".tmp", path)
 
 
 def _gather_to_host(tree):
@@ -381,7 +568,8 @@ def _init_from(task, workdir: str, params, shardings):
     sub, sub_shard = (params, shardings) if key is None else (params[key], shardings[key])
     abstract = restore_target(sub, sub_shard)
     try:
-        loaded, _ = ckpt_lib.restore_params(workdir, abstract)
+        loaded, _ = ckpt_lib.restore_params(workdir, abstract,
+                                            ignore=getattr(task, "pretrained_unused", ()))
     except ckpt_lib.CheckpointError as e:
         raise ckpt_lib.CheckpointError(f"config.train.init_from={workdir!r}: {e}") from e
     return loaded if key is None else {**params, key: loaded}

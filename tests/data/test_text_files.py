@@ -59,9 +59,25 @@ def test_jsonl_rows_and_text_key(jsonl_corpus, make_cfg, tmp_path):
 ])
 def test_bad_jsonl_row_names_file_line_and_field(tmp_path, make_cfg, line, message):
     path = tmp_path / "docs.jsonl"
-    path.write_text(line)
+    path.write_bytes(line.encode("utf-8") if isinstance(line, str) else line)
     with pytest.raises(ValueError, match=message):
         get_split_source(make_cfg(name="jsonl", path=str(path), data_dir=str(tmp_path)), "train")
+
+
+def test_undecodable_bytes_warn_with_file_and_count(tmp_path):
+    """A .txt file that is not UTF-8 is read with U+FFFD, and says so (file, count); a JSONL
+    line that is not UTF-8 is refused with its file and line."""
+    d = tmp_path / "corpus"
+    d.mkdir()
+    (d / "a.txt").write_bytes("caf\u00e9 ok".encode("latin-1") + b" \xff\xfe end")
+    (d / "b.txt").write_text("plain")
+    with pytest.warns(UnicodeWarning, match=r"a\.txt: 3 byte\(s\) are not valid UTF-8") as rec:
+        docs = text_files._scan(str(d), "text")
+    assert len(docs) == 2 and len(rec) == 1
+    path = tmp_path / "docs.jsonl"
+    path.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=r"docs\.jsonl:2: not valid UTF-8"):
+        text_files._scan(str(path), "text")
 
 
 def test_missing_and_empty_corpora_raise_helpful_errors(tmp_path, make_cfg):

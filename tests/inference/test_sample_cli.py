@@ -97,3 +97,42 @@ def test_cli_errors(workdir, tmp_path):
     err = fails(f"--checkpoint={workdir}", "--prompt=" + "a" * 120, "--max_new_tokens=20")
     assert "max_seq_len=128" in err
     assert "exactly one of" in fails("--prompt=x")
+    (tmp_path / "empty" / "config.json").write_bytes(b'{"model": {"d_model": 3')  # cut short
+    assert "config.json: not a trainer config (JSONDecodeError" in fails(
+        f"--checkpoint={tmp_path / 'empty'}", "--prompt=x")
+
+
+def test_cli_refuses_params_of_another_tree(workdir, tmp_path):
+    """A workdir whose checkpoint lacks a param the model needs (here its config.json claims an
+    untied lm_head): one line naming the leaf, no placeholder params reaching the decoder."""
+    wd = tmp_path / "copy"
+    shutil.copytree(workdir, wd)
+    cfg = json.loads((wd / "config.json").read_text())
+    cfg["model"]["tie_embeddings"] = False
+    (wd / "config.json").write_text(json.dumps(cfg))
+    r = _cli(f"--checkpoint={wd}", "--prompt=x", "--max_new_tokens=4")
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "its params do not fit the model asked for (missing from the checkpoint: " \
+           "params.io.lm_head)" in r.stderr.strip().splitlines()[-1]
+
+
+def test_hf_folder_errors_are_one_line(workdir, tmp_path):
+    """--hf with a truncated or garbage model.safetensors, or a missing tensor: one line naming
+    the file (and the tensor)."""
+    from icml_jax.interop import save_hf
+    from icml_jax.sample import SampleError, load_hf_folder
+    config = load_config("configs/lm.py:tiny", unlocked=True)
+    params, _ = ckpt_lib.restore_model_params(str(workdir), config.model)
+    folder = save_hf(str(tmp_path / "hf"), config.model, jax.device_get(params))
+    weights = os.path.join(folder, "model.safetensors")
+    data = open(weights, "rb").read()
+    open(weights, "wb").write(data[: len(data) - 100])
+    with pytest.raises(SampleError, match=r"model\.safetensors: tensor '\S+' lies at bytes .* the "
+                       "file is truncated"):
+        load_hf_folder(folder)
+    open(weights, "wb").write(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
+    with pytest.raises(SampleError, match=r"model\.safetensors: corrupt safetensors header"):
+        load_hf_folder(folder)
+    r = _cli(f"--hf={folder}", "--prompt=x")
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.count("\n") == 1 and "corrupt safetensors header" in r.stderr

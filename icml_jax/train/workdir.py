@@ -1,0 +1,211 @@
+"""What keeps a training workdir safe, without JAX: one run at a time, and a resumed run that is
+the run which wrote the checkpoints.
+
+* ``WorkdirLock``: an exclusive ``fcntl`` lock on ``WORKDIR/.lock`` held for the whole run (by
+  process 0 of a multi-process run). The kernel drops it when the process dies, so a killed run
+  never leaves a stale lock; the file itself stays and records who held it last.
+* ``saved_config`` / ``config_changes``: the config the newest checkpoint was written with,
+  compared key by key with the one about to resume. Keys that define the train state or the data
+  stream (``task``, ``seed``, ``model.*``, ``data.*``, ``train.batch_size``) must not change;
+  the schedule's keys may, with a warning.
+* ``set_aside``: the explicit way to start over in a used workdir (``config.train.start_over``):
+  the previous run's files move to ``WORKDIR/previous_runs/<time>/``; nothing is deleted.
+* Checkpoint checksums: ``write_manifest`` records the CRC32 and size of every file of a committed
+  checkpoint step in ``<step>/checksums.json``; ``verify_manifest`` compares them on restore.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import time
+import zlib
+
+LOCK_FILE = ".lock"
+MANIFEST = "checksums.json"
+
+# keys whose change makes the checkpoint another run's state: its params, optimizer state or data
+# position would be read into the wrong structure or continue the wrong stream
+_FIXED_PREFIXES = ("task", "seed", "model.", "data.", "train.batch_size")
+# locations, not contents: moving the TFDS folder does not change the data
+_FREE_KEYS = ("data.data_dir",)
+# keys that define the learning-rate schedule (optimizer.lr_schedule)
+SCHEDULE_KEYS = ("train.steps", "train.lr", "train.warmup_steps", "train.min_lr_ratio")
+# files and folders of a run that start_over moves aside
+RUN_FILES = ("checkpoints", "metrics.jsonl", "summary.json", "config.json", "tensorboard",
+             "loss_curve.png")
+
+
+class WorkdirError(RuntimeError):
+    """A workdir that cannot be used as asked; the message says why and what to do."""
+
+
+class WorkdirLock:
+    """``with WorkdirLock(workdir):`` owns the workdir or raises ``WorkdirError`` at once."""
+
+    def __init__(self, workdir: str):
+        self.path = os.path.join(workdir, LOCK_FILE)
+        self._fd = None
+
+    def acquire(self) -> "WorkdirLock":
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 512).decode("utf-8", "replace").strip() or "another process"
+            os.close(fd)
+            raise WorkdirError(
+                f"the workdir {os.path.dirname(self.path)} is in use by another run ({holder}); "
+                "wait for it to finish, stop it, or pass another --workdir") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since "
+                     f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self):
+        return self.acquire()
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+def committed_steps(checkpoint_dir: str) -> list[int]:
+    """The step folders orbax committed (a ``commit_success.txt`` or ``_CHECKPOINT_METADATA`` in a
+    numbered folder), ascending; temporary folders of unfinished saves are not steps."""
+    if not os.path.isdir(checkpoint_dir):
+        return []
+    steps = []
+    for name in os.listdir(checkpoint_dir):
+        path = os.path.join(checkpoint_dir, name)
+        if name.isdigit() and any(os.path.exists(os.path.join(path, f))
+                                  for f in ("commit_success.txt", "_CHECKPOINT_METADATA")):
+            steps.append(int(name))
+    return sorted(steps)
+
+
+def saved_config(workdir: str) -> tuple[dict | None, str]:
+    """(config dict, where it was read) of the newest committed checkpoint step that has a
+    readable config, else of ``WORKDIR/config.json``; (None, "") when neither exists."""
+    ckpt_dir = os.path.join(workdir, "checkpoints")
+    candidates = [os.path.join(ckpt_dir, str(s), "config", "metadata")
+                  for s in reversed(committed_steps(ckpt_dir))]
+    for path in candidates + [os.path.join(workdir, "config.json")]:
+        try:
+            with open(path) as f:
+                return json.load(f), path
+        except (OSError, ValueError):
+            continue
+    return None, ""
+
+
+def _flat(tree, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flat(v, key + "."))
+        else:
+            out[key] = tuple(v) if isinstance(v, list) else v
+    return out
+
+
+def config_changes(saved: dict, new: dict) -> dict:
+    """{"fixed": [...], "schedule": [...], "other": [...]} of the dotted keys whose values differ
+    (or that only one side has), each as "key: old -> new"."""
+    a, b = _flat(saved), _flat(new)
+    out = {"fixed": [], "schedule": [], "other": []}
+    for key in sorted(set(a) | set(b)):
+        old, cur = a.get(key, "<absent>"), b.get(key, "<absent>")
+        if _same(old, cur) or key in _FREE_KEYS:
+            continue
+        kind = ("schedule" if key in SCHEDULE_KEYS else
+                "fixed" if any(key == p or key.startswith(p) for p in _FIXED_PREFIXES) else "other")
+        out[kind].append(f"{key}: {old!r} -> {cur!r}")
+    return out
+
+
+def _same(x, y) -> bool:
+    if isinstance(x, (tuple, list)) and isinstance(y, (tuple, list)):
+        return len(x) == len(y) and all(_same(u, v) for u, v in zip(x, y))
+    if isinstance(x, (int, float)) and isinstance(y, (int, float)) and not isinstance(x, bool):
+        return float(x) == float(y)
+    return x == y
+
+
+def set_aside(workdir: str) -> str | None:
+    """Moves the previous run's files (``RUN_FILES``) to ``WORKDIR/previous_runs/<time>/``;
+    returns that folder, or None when there was nothing to move."""
+    present = [n for n in RUN_FILES if os.path.lexists(os.path.join(workdir, n))]
+    if not present:
+        return None
+    dest = os.path.join(workdir, "previous_runs", time.strftime("%Y%m%d-%H%M%S"))
+    base, i = dest, 1
+    while os.path.exists(dest):
+        dest, i = f"{base}-{i}", i + 1
+    os.makedirs(dest)
+    for name in present:
+        os.rename(os.path.join(workdir, name), os.path.join(dest, name))
+    return dest
+
+
+def _crc(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _files(step_dir: str) -> list[str]:
+    out = []
+    for root, _, files in os.walk(step_dir):
+        for name in files:
+            rel = os.path.relpath(os.path.join(root, name), step_dir)
+            if rel != MANIFEST and not rel.endswith(".tmp"):
+                out.append(rel)
+    return sorted(out)
+
+
+def write_manifest(step_dir: str) -> None:
+    """Writes ``step_dir/checksums.json`` ({relative path: [size, crc32]}) atomically."""
+    entries = {rel: [os.path.getsize(os.path.join(step_dir, rel)), _crc(os.path.join(step_dir, rel))]
+               for rel in _files(step_dir)}
+    tmp = os.path.join(step_dir, MANIFEST + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump({"version": 1, "files": entries}, f)
+    os.replace(tmp, os.path.join(step_dir, MANIFEST))
+
+
+def has_manifest(step_dir: str) -> bool:
+    return os.path.exists(os.path.join(step_dir, MANIFEST))
+
+
+def verify_manifest(step_dir: str) -> str | None:
+    """None when every file listed in ``step_dir/checksums.json`` is present with its recorded size
+    and CRC32 (or the step has no manifest: written before checksums, or killed right after its
+    commit); else what differs, e.g. "state/d/ab12...: checksum differs"."""
+    path = os.path.join(step_dir, MANIFEST)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            entries = json.load(f)["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{MANIFEST} is unreadable ({type(e).__name__})"
+    for rel, (size, crc) in sorted(entries.items()):
+        full = os.path.join(step_dir, rel)
+        if not os.path.exists(full):
+            return f"{rel}: missing"
+        if os.path.getsize(full) != size:
+            return f"{rel}: size {os.path.getsize(full)} bytes, {size} when saved"
+        if _crc(full) != crc:
+            return f"{rel}: checksum differs from the one recorded when it was saved"
+    return None
