@@ -120,8 +120,8 @@ def base_config() -> ml_collections.ConfigDict:
     # files changed is set aside and the previous one is used); costs one read of each checkpoint
     c.train.checkpoint_checksums = True
     # True: move this workdir's previous run (checkpoints, metrics, config) to previous_runs/<time>/
-    # and train from step 0; needed to reuse a workdir with another model, data or seed. Drop the
-    # flag again to resume.
+    # and train from step 0; needed to reuse a workdir with another model, data or seed. Acts once:
+    # the same command again resumes the new run.
     c.train.start_over = False
     c.train.samples = 3  # generated samples printed at the end (0 = none)
     c.train.sample_len = 120

@@ -106,23 +106,17 @@ def _txt_files(folder: str) -> list[str]:
 
 
 def _read_txt(path: str) -> str:
-    """The file as UTF-8; undecodable bytes become U+FFFD (``_scan`` warns about them)."""
-    with open(path, "rb") as f:
-        return f.read().decode("utf-8", errors="replace")
+    """The file as UTF-8 with universal newlines; undecodable bytes become U+FFFD (``_scan``
+    warns about them)."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return f.read()
 
 
 def _undecodable(path: str) -> int:
     """How many bytes of the file are not valid UTF-8."""
     with open(path, "rb") as f:
         data = f.read()
-    count, start = 0, 0
-    while True:
-        try:
-            data[start:].decode("utf-8")
-            return count
-        except UnicodeDecodeError as e:
-            count += e.end - e.start
-            start += e.end
+    return len(data) - len(data.decode("utf-8", errors="ignore").encode("utf-8"))
 
 
 def _iter_jsonl(path: str, text_key: str) -> Iterator[tuple[int, str]]:

@@ -64,6 +64,13 @@ class Checkpointer:
             args["data_state"] = ocp.args.JsonSave({**_data_state(data_iter), "step": int(step)})
         self.manager.save(step, args=ocp.args.Composite(**args), force=True)
         self._unsealed.append(int(step))
+        self.poll()  # a synchronous save is committed by now
+
+    def poll(self):
+        """Writes the checksums of committed steps once no save is in flight (cheap to call every
+        step: the train loop does, so an async step is sealed within a step of its commit)."""
+        if self._unsealed and not self.manager.is_saving_in_progress():
+            self._seal()
 
     def _seal(self):
         """Waits for the save in flight, then writes the checksum manifest of every step this run
@@ -81,28 +88,37 @@ class Checkpointer:
     def all_steps(self):
         return sorted(self.manager.all_steps())
 
-    def restore_latest(self, abstract_state, data_iter):
+    def restore_latest(self, abstract_state, data_iter, set_aside: bool = True):
         """Restores the newest readable step into ``abstract_state`` (ShapeDtypeStructs with
         shardings) and ``data_iter``; returns (state, step), or (None, 0) without checkpoints.
 
         A step is set aside (``corrupt_<step>_<time>``, never deleted) only when it is unreadable
-        on its own terms: a file differs from its recorded checksum, its metadata cannot be parsed,
-        its arrays cannot be read, or its data-iterator state belongs to another step; then the
-        previous step is tried. A step that reads fine but holds another structure raises
-        ``CheckpointMismatchError``, and an I/O permission problem raises ``CheckpointError``;
-        both leave every file where it is."""
+        on its own terms: a file differs from its recorded checksum (or is missing), or its
+        data-iterator state belongs to another step; or, for a step without checksums, its
+        metadata or arrays cannot be read. Then the previous step is tried. Everything else leaves
+        every file where it is and raises: a step that reads fine but holds another structure
+        (``CheckpointMismatchError``), a step whose files match their checksums but still fail to
+        restore (so the cause is elsewhere: memory, library version), file-system errors
+        (permissions, I/O, open files) and old grain-format data states. ``set_aside=False``
+        (readers that do not own the workdir) skips bad steps with a warning instead of moving
+        them."""
         steps = self.all_steps()
         for step in reversed(steps):
             path = os.path.join(self.directory, str(step))
-            problem = workdir_lib.verify_manifest(path) if self.checksums else None
+            sealed = self.checksums and workdir_lib.has_manifest(path)
+            try:
+                problem = workdir_lib.verify_manifest(path) if sealed else None
+            except OSError as e:
+                self._raise_if_environment(e, path, force=True)
             if problem:
-                self._set_aside(step, f"a file differs from when it was saved: {problem}")
+                self._set_aside(step, f"a file differs from when it was saved: {problem}",
+                                set_aside)
                 continue
             try:
                 saved = self.manager.item_metadata(step)["state"]
             except Exception as e:  # noqa: BLE001 - unparsable metadata
-                self._raise_if_environment(e, path)
-                self._set_aside(step, f"{type(e).__name__}: {str(e)[:300]}")
+                self._raise_if_environment(e, path, force=sealed)
+                self._set_aside(step, f"{type(e).__name__}: {str(e)[:300]}", set_aside)
                 continue
             differences = tree_differences(saved, abstract_state)
             if differences:
@@ -119,14 +135,18 @@ class Checkpointer:
                         ocp.args.JsonRestore() if json_data
                         else grain.checkpoint.CheckpointRestore(data_iter))
                 restored = self.manager.restore(step, args=ocp.args.Composite(**args))
-            except Exception as e:  # noqa: BLE001 - any read/parse failure means a bad checkpoint
-                self._raise_if_environment(e, path)
-                self._set_aside(step, f"{type(e).__name__}: {str(e)[:300]}")
+            except Exception as e:  # noqa: BLE001 - classified below
+                # files that match their checksums, or an old grain-format data state (readable
+                # only under the process count that wrote it), are not corrupt
+                self._raise_if_environment(e, path, force=sealed or (
+                    data_iter is not None and not json_data))
+                self._set_aside(step, f"{type(e).__name__}: {str(e)[:300]}", set_aside)
                 continue
             if data_iter is not None and json_data:
                 saved_step = restored["data_state"].get("step", step)
                 if saved_step != step:
-                    self._set_aside(step, f"its data-iterator state is the one of step {saved_step}")
+                    self._set_aside(step, f"its data-iterator state is the one of step {saved_step}",
+                                    set_aside)
                     continue
                 data_iter.set_state(restored["data_state"]["iterator"])
             return restored["state"], step
@@ -136,17 +156,26 @@ class Checkpointer:
                 "see the warnings above, or start fresh in a new --workdir")
         return None, 0
 
-    def _raise_if_environment(self, e: Exception, path: str):
-        """A failure of the file system (permissions, a read-only or full disk) says nothing about
-        the checkpoint: stop without moving it."""
-        if _environmental(e):
+    def _raise_if_environment(self, e: Exception, path: str, force: bool = False):
+        """A failure of the machine (permissions, I/O, memory, open files), or any failure when
+        ``force`` (the files are known good), says nothing against the checkpoint: stop without
+        moving it."""
+        if force or _environmental(e):
+            cause = ("its files match their checksums, so the checkpoint is intact"
+                     if force and not _environmental(e) else "a file-system or memory error")
             raise CheckpointError(
-                f"checkpoint {path} could not be read because of the file system "
-                f"({type(e).__name__}: {str(e)[:300]}); nothing was moved. Fix the permissions "
-                "(or the mount) and rerun") from e
+                f"checkpoint {path} could not be restored ({type(e).__name__}: {str(e)[:300]}); "
+                f"{cause}. Nothing was moved: fix the cause (permissions, mount, memory, library "
+                f"version) and rerun, or move the step aside yourself (mv {path} "
+                f"{os.path.dirname(path)}/corrupt_{os.path.basename(path)}) to resume from the "
+                "previous one") from e
 
-    def _set_aside(self, step: int, why: str):
+    def _set_aside(self, step: int, why: str, move: bool = True):
         path = os.path.join(self.directory, str(step))
+        if not move:
+            print(f"WARNING: checkpoint {path} is unreadable ({why}); using the previous step "
+                  "(nothing was moved)", file=sys.stderr, flush=True)
+            return
         if jax.process_count() > 1:
             raise CheckpointError(
                 f"process {jax.process_index()}: checkpoint {path} could not be restored ({why}). "
@@ -173,15 +202,20 @@ class Checkpointer:
         self.manager.close()
 
 
+_ENV_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EIO,
+               errno.EMFILE, errno.ENFILE, errno.ESTALE, errno.ETIMEDOUT, errno.ENOMEM)
+_ENV_MARKERS = ("PERMISSION_DENIED", "Permission denied", "RESOURCE_EXHAUSTED", "out of memory",
+                "Too many open files", "Input/output error", "Stale file handle")
+
+
 def _environmental(e: BaseException) -> bool:
     seen = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS,
-                                                  errno.ENOSPC, errno.EDQUOT):
+        if isinstance(e, MemoryError) or (isinstance(e, OSError) and e.errno in _ENV_ERRNOS):
             return True
         text = str(e)
-        if "PERMISSION_DENIED" in text or "Permission denied" in text:
+        if any(marker in text for marker in _ENV_MARKERS):
             return True
         e = e.__cause__ or e.__context__
     return False

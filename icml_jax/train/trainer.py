@@ -263,39 +263,50 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             lock.release()
 
 
-def _lock_workdir(workdir: str):
-    """Process 0 takes the workdir's lock; every process learns whether it got it."""
-    lock, error = None, ""
+def _on_process_0(fn, what: str):
+    """``fn()`` on process 0 -> its result there (None elsewhere). When it raises, every process
+    raises (process 0 the error itself), so none is left waiting in a collective."""
+    result, error = None, None
     if jax.process_index() == 0:
         try:
-            lock = workdir_lib.WorkdirLock(workdir).acquire()
-        except workdir_lib.WorkdirError as e:
-            error = str(e)
+            result = fn()
+        except Exception as e:  # noqa: BLE001 - re-raised below, on every process
+            error = e
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-        if int(multihost_utils.broadcast_one_to_all(np.int32(bool(error)))):
-            error = error or f"process 0 could not lock the workdir {workdir}; see its log"
-    if error:
-        raise workdir_lib.WorkdirError(error)
-    return lock
+        failed = int(multihost_utils.broadcast_one_to_all(np.int32(error is not None)))
+        if failed and error is None:
+            raise workdir_lib.WorkdirError(f"process 0 failed to {what}; see its log")
+    if error is not None:
+        raise error
+    return result
+
+
+def _lock_workdir(workdir: str):
+    """Process 0 takes the workdir's lock; every process learns whether it got it."""
+    return _on_process_0(workdir_lib.WorkdirLock(workdir).acquire, "lock the workdir")
 
 
 def _check_resume(config, workdir: str) -> None:
-    """``config.train.start_over``: the previous run is moved aside. Otherwise, when the workdir
-    holds checkpoints, their config must agree with this one on the keys that define the train
-    state and the data stream (else ValueError naming them, nothing touched); a changed schedule
-    is reported on stderr. Also checks that checkpoints can be written there."""
+    """``config.train.start_over``: the previous run is moved aside (once: checkpoints written by
+    a start_over run with this same config are resumed, so rerunning the command after a
+    preemption continues). Otherwise, when the workdir holds checkpoints, their config must agree
+    with this one on the keys that define the train state and the data stream (else ValueError
+    naming them, nothing touched); a changed schedule is reported on stderr, other changed keys
+    on stdout. Also checks that checkpoints can be written there."""
     is_main = jax.process_index() == 0
     ckpt_dir = os.path.join(workdir, "checkpoints")
-    if config.train.get("start_over", False):
-        moved = workdir_lib.set_aside(workdir) if is_main else None
+    saved, where = workdir_lib.saved_config(workdir) if workdir_lib.committed_steps(ckpt_dir) \
+        else (None, "")
+    changes = workdir_lib.config_changes(saved, _config_dict(config)) if saved else {}
+    # start_over acts once: checkpoints that a start_over run wrote, with this config, resume
+    again = bool(saved and saved.get("train", {}).get("start_over")) and not changes.get("fixed")
+    if config.train.get("start_over", False) and not again:
+        moved = _on_process_0(lambda: workdir_lib.set_aside(workdir), "move the previous run aside")
         if moved:
             print(f"config.train.start_over=True: moved the previous run to {moved}; training "
-                  "from step 0 (drop the flag to resume this run later)", flush=True)
-        distributed.barrier("start_over")
-    elif workdir_lib.committed_steps(ckpt_dir):
-        saved, where = workdir_lib.saved_config(workdir)
-        changes = workdir_lib.config_changes(saved, _config_dict(config)) if saved else {}
+                  "from step 0", flush=True)
+    elif saved:
         if changes.get("fixed"):
             raise ValueError(
                 f"{workdir} holds checkpoints of another run: {'; '.join(changes['fixed'])} "
@@ -306,8 +317,10 @@ def _check_resume(config, workdir: str) -> None:
             print(f"WARNING: resuming {workdir} with a changed learning-rate schedule "
                   f"({'; '.join(changes['schedule'])}); the remaining steps follow the new one",
                   file=sys.stderr, flush=True)
-    if is_main:
-        _check_writable(ckpt_dir)
+        if changes.get("other") and is_main:
+            print(f"resuming {workdir} with changed settings: {'; '.join(changes['other'])}",
+                  flush=True)
+    _on_process_0(lambda: _check_writable(ckpt_dir), "write to the checkpoints folder")
 
 
 def _check_writable(directory: str) -> None:
@@ -332,11 +345,9 @@ class _StopOnSignal:
         self._previous = {}
 
     def _handle(self, signum, frame):
-        del frame
+        del frame  # nothing is printed here: a handler may interrupt a write to stderr
         self.signum = signum
         self._restore()
-        print(f"\n{signal.Signals(signum).name}: stopping after this step (send it again to stop "
-              "at once)", file=sys.stderr, flush=True)
 
     def _restore(self):
         for sig, handler in self._previous.items():
@@ -346,7 +357,8 @@ class _StopOnSignal:
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
             for sig in self.SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._handle)
+                if signal.getsignal(sig) is not signal.SIG_IGN:  # e.g. SIGINT of a `cmd &` job
+                    self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def __exit__(self, *exc):
@@ -360,10 +372,13 @@ class _StopOnSignal:
         if step % every:
             return False
         from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-        flags = multihost_utils.process_allgather(np.int32(self.signum or 0))
-        if self.signum is None and np.any(flags):
-            self.signum = int(np.max(flags))
-        return self.signum is not None
+        flags = np.asarray(multihost_utils.process_allgather(np.int32(self.signum or 0)))
+        # decided from the gathered flags alone: a signal landing during the gather is seen by
+        # every process at the next one
+        if not np.any(flags):
+            return False
+        self.signum = self.signum or int(np.max(flags))
+        return True
 
 
 def _train(config, workdir: str, task, shape, stop: _StopOnSignal) -> dict:
@@ -468,6 +483,8 @@ def _train(config, workdir: str, task, shape, stop: _StopOnSignal) -> dict:
                 ckpt.save(step, state, data_iter, _config_dict(config))
             saved = f"; checkpoint {ckpt.directory}/{step} is saved"
         name = signal.Signals(stop.signum).name
+        bar.write(f"{name}: stopping at step {step} (a second signal stops at once)",
+                  file=sys.stderr) if is_main else None
         raise Interrupted(f"stopped by {name} after step {step}{saved}; rerun the same command "
                           "to resume", stop.signum)
 
@@ -475,6 +492,7 @@ def _train(config, workdir: str, task, shape, stop: _StopOnSignal) -> dict:
         for step in range(start, t.steps):
             if stop.requested(step, t.log_every):
                 stop_here(step)
+            ckpt.poll()
             batch = to_global(next(data_iter))
             state, metrics = train_step(state, batch)
             s = step + 1
@@ -539,7 +557,8 @@ def load_state(config: ml_collections.ConfigDict, workdir: str, devices=None):
     """The newest checkpoint of ``workdir`` as a ``TrainState`` sharded for ``config.mesh`` over
     ``devices`` (default: all), whatever device count, mesh or process count wrote it -> (state,
     step). E.g. params trained on a 64-chip pod, inspected on 1 GPU with ``config.mesh`` all 1.
-    As when resuming, an unreadable newest step is moved aside and the previous one is used."""
+    An unreadable newest step is skipped with a warning and the previous one is used; nothing is
+    moved (the workdir may belong to a live run)."""
     validate_config(config, len(jax.devices() if devices is None else devices))
     task = tasks.TASKS.get(config.task)(config)
     mesh = mesh_lib.make_mesh(config.mesh, devices)
@@ -552,7 +571,7 @@ def load_state(config: ml_collections.ConfigDict, workdir: str, devices=None):
         raise ckpt_lib.CheckpointError(error)
     ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=10**9, async_save=False)
     try:
-        state, step = ckpt.restore_latest(abstract, None)
+        state, step = ckpt.restore_latest(abstract, None, set_aside=False)
     finally:
         ckpt.close()
     if state is None:
@@ -568,8 +587,7 @@ def _init_from(task, workdir: str, params, shardings):
     sub, sub_shard = (params, shardings) if key is None else (params[key], shardings[key])
     abstract = restore_target(sub, sub_shard)
     try:
-        loaded, _ = ckpt_lib.restore_params(workdir, abstract,
-                                            ignore=getattr(task, "pretrained_unused", ()))
+        loaded, _ = ckpt_lib.restore_params(workdir, abstract)
     except ckpt_lib.CheckpointError as e:
         raise ckpt_lib.CheckpointError(f"config.train.init_from={workdir!r}: {e}") from e
     return loaded if key is None else {**params, key: loaded}

@@ -28,8 +28,9 @@ MANIFEST = "checksums.json"
 # keys whose change makes the checkpoint another run's state: its params, optimizer state or data
 # position would be read into the wrong structure or continue the wrong stream
 _FIXED_PREFIXES = ("task", "seed", "model.", "data.", "train.batch_size")
-# locations, not contents: moving the TFDS folder does not change the data
-_FREE_KEYS = ("data.data_dir",)
+# keys under those prefixes that change neither the state nor the data: a location (moving the
+# TFDS folder does not change the data) and how the same params are computed
+_FREE_KEYS = ("data.data_dir", "model.remat", "model.dtype")
 # keys that define the learning-rate schedule (optimizer.lr_schedule)
 SCHEDULE_KEYS = ("train.steps", "train.lr", "train.warmup_steps", "train.min_lr_ratio")
 # files and folders of a run that start_over moves aside
@@ -49,15 +50,26 @@ class WorkdirLock:
         self._fd = None
 
     def acquire(self) -> "WorkdirLock":
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        workdir = os.path.dirname(self.path)
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise WorkdirError(f"cannot write the lock file {self.path} ({e.strerror}); the workdir "
+                               "must be writable: fix its permissions or pass another --workdir"
+                               ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.read(fd, 512).decode("utf-8", "replace").strip() or "another process"
             os.close(fd)
             raise WorkdirError(
-                f"the workdir {os.path.dirname(self.path)} is in use by another run ({holder}); "
+                f"the workdir {workdir} is in use by another run ({holder}); "
                 "wait for it to finish, stop it, or pass another --workdir") from None
+        except OSError as e:  # e.g. a network file system without lock support
+            os.close(fd)
+            raise WorkdirError(f"cannot lock {self.path} ({e.strerror}): the file system of the "
+                               "workdir does not support fcntl locks; use a local or lock-capable "
+                               "folder as --workdir") from None
         os.ftruncate(fd, 0)
         os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since "
                      f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
@@ -120,11 +132,11 @@ def _flat(tree, prefix: str = "") -> dict:
 def config_changes(saved: dict, new: dict) -> dict:
     """{"fixed": [...], "schedule": [...], "other": [...]} of the dotted keys whose values differ
     (or that only one side has), each as "key: old -> new"."""
-    a, b = _flat(saved), _flat(new)
+    a, b = (_flat(saved) if isinstance(saved, dict) else {}), _flat(new)
     out = {"fixed": [], "schedule": [], "other": []}
     for key in sorted(set(a) | set(b)):
         old, cur = a.get(key, "<absent>"), b.get(key, "<absent>")
-        if _same(old, cur) or key in _FREE_KEYS:
+        if _same(old, cur) or key in _FREE_KEYS or key == "train.start_over":
             continue
         kind = ("schedule" if key in SCHEDULE_KEYS else
                 "fixed" if any(key == p or key.startswith(p) for p in _FIXED_PREFIXES) else "other")
@@ -191,7 +203,8 @@ def has_manifest(step_dir: str) -> bool:
 def verify_manifest(step_dir: str) -> str | None:
     """None when every file listed in ``step_dir/checksums.json`` is present with its recorded size
     and CRC32 (or the step has no manifest: written before checksums, or killed right after its
-    commit); else what differs, e.g. "state/d/ab12...: checksum differs"."""
+    commit); else what differs, e.g. "state/d/ab12...: checksum differs". A file that cannot be
+    read (permissions) raises OSError: that says nothing against the checkpoint."""
     path = os.path.join(step_dir, MANIFEST)
     if not os.path.exists(path):
         return None
@@ -202,10 +215,12 @@ def verify_manifest(step_dir: str) -> str | None:
         return f"{MANIFEST} is unreadable ({type(e).__name__})"
     for rel, (size, crc) in sorted(entries.items()):
         full = os.path.join(step_dir, rel)
-        if not os.path.exists(full):
+        try:  # only a file that is not there is "missing"; other OSErrors propagate
+            actual = os.stat(full).st_size
+        except FileNotFoundError:
             return f"{rel}: missing"
-        if os.path.getsize(full) != size:
-            return f"{rel}: size {os.path.getsize(full)} bytes, {size} when saved"
+        if actual != size:
+            return f"{rel}: size {actual} bytes, {size} when saved"
         if _crc(full) != crc:
             return f"{rel}: checksum differs from the one recorded when it was saved"
     return None

@@ -154,7 +154,14 @@ def test_structure_mismatch_found_by_the_checkpoint_itself(stopped, tiny_config)
         def denied(*a, **k):
             raise PermissionError(13, "Permission denied", str(stopped / "checkpoints" / "10"))
         ckpt.manager.restore = denied
-        with pytest.raises(ckpt_lib.CheckpointError, match="because of the file system"):
+        with pytest.raises(ckpt_lib.CheckpointError, match="a file-system or memory error. "
+                           "Nothing was moved"):
+            ckpt.restore_latest(abstract, None)
+
+        def fails(*a, **k):
+            raise ValueError("an orbax that cannot read this format")
+        ckpt.manager.restore = fails  # the files match their checksums: not corruption either
+        with pytest.raises(ckpt_lib.CheckpointError, match="its files match their checksums"):
             ckpt.restore_latest(abstract, None)
     finally:
         ckpt.close()
@@ -243,6 +250,10 @@ def test_damaged_steps_are_set_aside_and_the_previous_one_resumes(stopped, refer
     _flip_byte(_largest_array_file(str(ckpts / "10")))
     _rewind_counter(str(ckpts / "8"))
     _swap_step_and_reseal(str(ckpts / "6"))
+    steps = _steps(stopped)
+    _, step = trainer.load_state(cli_config("configs/lm.py:tiny", *SHORT), str(stopped))
+    # a reader skips 10 and 8 and moves nothing; it reads no data state, so step 6 serves it
+    assert step == 6 and _steps(stopped) == steps
     _resume_matches(stopped, reference, data_dir, start=4)
     out = capsys.readouterr().out
     for step, why in ((10, "checksum differs"), (8, "data_state/metadata: size"),
@@ -358,6 +369,16 @@ def test_start_over_moves_the_previous_run_aside(stopped, data_dir, capsys):
     assert {k: v for k, v in old.items() if k.startswith("checkpoints")} == {
         k: v for k, v in kept.items() if k.startswith("checkpoints")}
     assert _steps(stopped) == ["2", "4"]
+    again = train_in_process(stopped, *SHORT, "--config.seed=5", "--config.train.steps=4",
+                             "--config.train.start_over=True", data_dir=data_dir)
+    assert again["start_step"] == 4  # the same command again resumes: start_over acts once
+    assert os.listdir(stopped / "previous_runs") == [moved]
+
+
+def test_lock_errors_are_one_line(tmp_path):
+    (tmp_path / workdir_lib.LOCK_FILE).mkdir()  # cannot be opened as the lock file
+    with pytest.raises(workdir_lib.WorkdirError, match=r"cannot write the lock file .*\.lock"):
+        workdir_lib.WorkdirLock(str(tmp_path)).acquire()
 
 
 def test_checkpoints_folder_that_cannot_be_written(tmp_path, data_dir):
