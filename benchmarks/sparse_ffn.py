@@ -1,4 +1,4 @@
-"""Batch-1 FFN time: the exact sparse ReLU-GLU path (``icml_jax.inference.sparse_ffn``) vs the dense FFN.
+"""Batch-1 FFN time: the exact sparse ReLU-GLU path (``icml_jax.models.sparse_ffn``) vs the dense FFN.
 
 Run:
   python -m benchmarks.sparse_ffn [--dims=1024x4096,512x1408] [--sparsities=50,75,90,93.5,97] [--repeats=300]
@@ -94,7 +94,7 @@ def bench_one(D: int, F: int, sparsity: float, repeats: int) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from icml_jax.inference import sparse_ffn as sf
+    from icml_jax.models import sparse_ffn as sf
     active = max(1, int(round((1 - sparsity) * F)))
     module, params, x, idx = build(D, F, active)
     w = sf.prepare(params)
@@ -198,7 +198,7 @@ def bench_decode(D: int, F: int, L: int, gate_active: float, tokens: int, repeat
     import numpy as np
 
     from icml_jax.analysis.sparsity import cett_ppl_search, thresholds_tree
-    from icml_jax.inference import sparse_ffn as sf
+    from icml_jax.models import sparse_ffn as sf
     from icml_jax.inference.decode import generate
     from icml_jax.models.decoder import build_model
     t0 = time.perf_counter()
@@ -310,7 +310,7 @@ def _markdown(report: dict) -> str:
         "calls after a jitted warm-up.", "",
         "One `relu_glu` FFN applied to one token. At sparsity s exactly (1 − s)·F neurons have a positive "
         "gate and the threshold is 0, so all paths compute the same output (the max |difference| to the "
-        "masked dense output is listed). `sparse` = `icml_jax.inference.sparse_ffn.sparse_ffn` (dense gate, "
+        "masked dense output is listed). `sparse` = `icml_jax.models.sparse_ffn.sparse_ffn` (dense gate, "
         "gathered up/down rows, capacity = 1.25 × active rounded up to 8, dense fallback on overflow); "
         "`predictor bound` = `predicted_ffn` with the true active set (gate skipped too; a perfect predictor "
         "whose own cost is excluded). "

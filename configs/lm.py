@@ -53,7 +53,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.mlp.activation = "swiglu"
     c.model.mlp.sparse_compare = "lt"  # sparse inference zeroes |a| < t/||w|| (reference); "le": <=
     # decode: > 0 = batch-1 gathered sparse FFN over this many candidate neurons (static; gated
-    # MLPs + a sparsity tree only; inference/sparse_ffn.py); 0 = off (masked dense MLP)
+    # MLPs + a sparsity tree only; models/sparse_ffn.py); 0 = off (masked dense MLP)
     c.model.mlp.sparse_capacity = 0
     c.model.residual = "standard"  # registry icml_jax.models.residual: standard | rmt
     # Residual Matrix Transformer (residual="rmt"; specs/rmt.md). It reuses num_layers (L),

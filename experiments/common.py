@@ -107,7 +107,7 @@ class FrozenPolicy:
 
         from icml_jax.losses import response_token_logps
         from icml_jax.models.decoder import build_model
-        from icml_jax.sample import load_workdir
+        from icml_jax.train.workdir import load_workdir
         self.model_cfg, self.ref_params, self.tok, _ = load_workdir(workdir)
         self.model = build_model(self.model_cfg)
 

@@ -183,7 +183,7 @@ class _Policy:
     def get(self):
         if self._loaded is None:
             from icml_jax.models.decoder import build_model
-            from icml_jax.sample import load_workdir
+            from icml_jax.train.workdir import load_workdir
             model_cfg, params, tok, _ = load_workdir(self.sft_dir)
             self._loaded = (build_model(model_cfg), params, tok)
         return self._loaded
@@ -197,7 +197,7 @@ def build_testbed(workdir: str, preset_cfg: dict) -> dict:
     "works": {"in_domain", "ood"}, "paths": {part: file}, "groups": {part: [group]},
     "prompts": {part: [str]}, "stats": {part: gold_stats}, "seconds": {part: compute seconds,
     as first measured}, "preset"}``. Load the policy with
-    ``icml_jax.sample.load_workdir(result["sft_workdir"])``.
+    ``icml_jax.train.workdir.load_workdir(result["sft_workdir"])``.
     """
     from icml_jax.data import sentiment_testbed as tb
     from icml_jax.inference.decode import bucket_length
@@ -237,7 +237,7 @@ def build_testbed(workdir: str, preset_cfg: dict) -> dict:
         def compute(prompts=prompts, s=settings):
             model, params, tok = policy.get()
             t0 = time.time()
-            groups = tb.sample_groups(model, params, tok, prompts, s["n_per_prompt"],
+            groups = sample_groups(model, params, tok, prompts, s["n_per_prompt"],
                                       s["temperature"], s["max_new_tokens"], s["seed"],
                                       s["batch_size"], prompt_tokens=s["prompt_tokens"])
             return {"seconds": time.time() - t0, "groups": groups}
@@ -277,3 +277,22 @@ if __name__ == "__main__":
     if "XLA_FLAGS" not in os.environ:  # faster CPU dots (see benchmarks/train_throughput.py)
         os.environ["XLA_FLAGS"] = "--xla_cpu_experimental_ynn_fusion_type="
     main(sys.argv[1:])
+
+
+def sample_groups(model, params, tokenizer, prompts, n_per_prompt: int, temperature: float,
+                  max_new_tokens: int, seed: int, batch_size: int = 64, *,
+                  prompt_tokens: int | None = None, top_k: int = 0, top_p: float = 1.0):
+    """``n_per_prompt`` continuations of each prompt (``icml_jax.inference.sampling.
+    sample_batched``, whose docstring gives the batching and the keys), each scored by the gold
+    reward. Returns one group per prompt, in order: ``{"prompt": str, "responses": [str] * n,
+    "gold": [float] * n, "temperature": float}``."""
+    from icml_jax.data import sentiment_testbed as tb
+    from icml_jax.inference.sampling import sample_batched
+    texts = sample_batched(model.cfg, params, tokenizer, prompts, n_per_prompt, temperature,
+                           max_new_tokens, seed, batch_size, prompt_tokens=prompt_tokens,
+                           top_k=top_k, top_p=top_p)
+    gold = tb.gold_reward(texts) if texts else []
+    k = n_per_prompt
+    return [{"prompt": p, "responses": texts[i * k:(i + 1) * k],
+             "gold": [float(g) for g in gold[i * k:(i + 1) * k]], "temperature": float(temperature)}
+            for i, p in enumerate(prompts)]

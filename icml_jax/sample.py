@@ -11,12 +11,12 @@ tokenizer from the folder's ``tokenizer.json``.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 
-import ml_collections
 from absl import app, flags, logging
+
+from icml_jax.train import workdir as workdir_lib  # no JAX: the inputs are checked first
 
 # JAX, flax and orbax are imported only once the inputs have been checked (config.json, the
 # checkpoints/ folder, the prompts' lengths), so a mistyped command fails in well under a second.
@@ -35,52 +35,6 @@ flags.DEFINE_integer("num_samples", 1, "samples per prompt")
 
 class SampleError(RuntimeError):
     """A problem with the inputs, reported as one line without a traceback."""
-
-
-def latest_params(workdir: str, model_cfg: ml_collections.ConfigDict):
-    """Params of the newest readable checkpoint step in WORKDIR/checkpoints -> (params, step)."""
-    from icml_jax.train.checkpoint import CheckpointError, restore_model_params  # pylint: disable=g-import-not-at-top
-    try:
-        return restore_model_params(workdir, model_cfg)
-    except CheckpointError as e:
-        raise SampleError(str(e)) from e
-
-
-def read_workdir(workdir: str):
-    """(config, tokenizer) of a training workdir, checked without loading JAX or the params:
-    the folder, its config.json and a checkpoints/ folder must exist."""
-    from icml_jax.data.tokenizers import build_tokenizer  # pylint: disable=g-import-not-at-top
-    from icml_jax.train import missing_checkpoints  # pylint: disable=g-import-not-at-top
-
-    if not os.path.isdir(workdir):
-        raise SampleError(f"--checkpoint={workdir}: no such folder")
-    cfg_path = os.path.join(workdir, "config.json")
-    if not os.path.exists(cfg_path):
-        raise SampleError(f"{workdir}: no config.json; is this a training workdir? (the trainer "
-                          "writes config.json and checkpoints/ there)")
-    try:
-        with open(cfg_path, encoding="utf-8") as f:
-            config = ml_collections.ConfigDict(json.load(f))
-        config.model.vocab_size, config.model.max_seq_len, config.data.tokenizer  # pylint: disable=pointless-statement
-    except (ValueError, TypeError, AttributeError, KeyError) as e:  # incl. JSON / UTF-8 errors
-        raise SampleError(f"{cfg_path}: not a trainer config ({type(e).__name__}: "
-                          f"{str(e)[:200]}); the trainer rewrites it on the next run of this "
-                          "workdir") from None
-    error = missing_checkpoints(workdir)
-    if error:
-        raise SampleError(error)
-    tokenizer = build_tokenizer(config.data.tokenizer)
-    if tokenizer.vocab_size > config.model.vocab_size:
-        raise SampleError(f"tokenizer vocab {tokenizer.vocab_size} > model vocab "
-                          f"{config.model.vocab_size}")
-    return config, tokenizer
-
-
-def load_workdir(workdir: str):
-    """(model_cfg, params, tokenizer, description) from a training workdir."""
-    config, tokenizer = read_workdir(workdir)
-    params, step = latest_params(workdir, config.model)
-    return config.model, params, tokenizer, f"{workdir} step {step}"
 
 
 def load_hf_folder(path: str):
@@ -108,7 +62,7 @@ def run(argv_flags) -> list[str]:
     if f.num_samples < 1:
         raise SampleError(f"--num_samples={f.num_samples} must be >= 1")
     if f.checkpoint:  # everything that can be checked before JAX loads the params
-        config, tok = read_workdir(f.checkpoint)
+        config, tok = workdir_lib.read_workdir(f.checkpoint)
         model_cfg = config.model
     else:
         model_cfg, params, tok, where = load_hf_folder(f.hf)
@@ -120,7 +74,7 @@ def run(argv_flags) -> list[str]:
                 f"that exceeds the model's max_seq_len={model_cfg.max_seq_len}; shorten the prompt or "
                 "lower --max_new_tokens")
     if f.checkpoint:
-        params, step = latest_params(f.checkpoint, model_cfg)
+        params, step = workdir_lib.latest_params(f.checkpoint, model_cfg)
         where = f"{f.checkpoint} step {step}"
     stops = tuple(getattr(tok, "eos_ids", (tok.eos_id,)))
     rows = [e for e in encoded for _ in range(f.num_samples)]
@@ -152,7 +106,7 @@ def main(argv):
     logging.set_verbosity(logging.ERROR)  # orbax logs restores at INFO/WARNING
     try:
         run(FLAGS)
-    except (SampleError, FileNotFoundError) as e:
+    except (SampleError, workdir_lib.WorkdirError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
 

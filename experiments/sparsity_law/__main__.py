@@ -107,7 +107,7 @@ def evaluate_checkpoint(cfg, params, cett_batches, ppl_batches, exp) -> dict:
 
 def gate_active(cfg, params, cett_batches) -> dict:
     """Share of (token, neuron) slots with act(gate) != 0 on the CETT slice: for ReLU-GLU the most
-    neurons the exact decode-time sparse path (``inference/sparse_ffn.py``) can have to gather."""
+    neurons the exact decode-time sparse path (``models/sparse_ffn.py``) can have to gather."""
     import numpy as np
     from icml_jax.analysis import sparsity as sp
     from icml_jax.models import build_model
@@ -253,7 +253,7 @@ def markdown(rows, fits, meta) -> str:
     lines += ["Activation ratio = fraction of neuron slots (layers × tokens) kept at the CETT-PPL-1% "
               "thresholds. `act(gate) ≠ 0` = fraction with a nonzero gate activation before any threshold "
               "(ReLU's natural sparsity; ≈ 100% for SiLU): the most neurons the exact decode-time sparse "
-              "path of `icml_jax/inference/sparse_ffn.py` has to gather.", ""]
+              "path of `icml_jax/models/sparse_ffn.py` has to gather.", ""]
     lines += ["## Fitted laws (D in billions of tokens, as in the paper)", ""]
     frows = []
     for a in ACTIVATIONS:

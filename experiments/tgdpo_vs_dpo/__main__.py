@@ -19,7 +19,7 @@ Steps:
    ``alphas``) guided by pi_r, one run per data-order seed of ``seeds``.
 4. **Evaluation** of each policy (and of the SFT policy itself, as a calibration row) on the
    held-out ``tgdpo_eval`` prompts: ``eval_samples`` samples per prompt at T = 0.8
-   (``sentiment_testbed.sample_groups``, the same sampling seed for every policy);
+   (``preference_testbed.sample_groups``, the same sampling seed for every policy);
 
    * win rate vs SFT: per prompt, every (policy sample, SFT reference sample) pair scores 1 if the
      policy's gold is higher, 0.5 on a tie, 0 otherwise; averaged over pairs, then prompts;
@@ -183,13 +183,12 @@ def seq_kl(models, params, groups, max_new_tokens, batch_size):
 def evaluate_policy(models, params, tb, exp):
     import numpy as np
 
-    from icml_jax.data.sentiment_testbed import sample_groups
     t0 = time.time()
     prompts = tb["prompts"]["tgdpo_eval"]
     ref_groups = tb["groups"]["tgdpo_eval"]
     mnt = int(tb["preset"]["max_new_tokens"])
     prompt_tokens = 1 + max(len(models.tok.encode(p)) for p in prompts)
-    groups = sample_groups(models.model, params, models.tok, prompts, int(exp["eval_samples"]),
+    groups = preference_testbed.sample_groups(models.model, params, models.tok, prompts, int(exp["eval_samples"]),
                            float(exp["eval_temperature"]), mnt, int(exp["eval_seed"]),
                            int(exp["eval_batch_size"]), prompt_tokens=prompt_tokens)
     kl = seq_kl(models, params, groups, mnt, int(exp["eval_batch_size"]))

@@ -63,7 +63,7 @@ from absl import logging
 
 from icml_jax.models.layers import layer_order_key
 from icml_jax.models.mlp import TINY_GATE, is_gated
-from icml_jax.tasks.lm import token_logprobs
+from icml_jax.losses.logps import token_logprobs
 
 GRID_SIZE = 65536
 QUANTILE = 0.99

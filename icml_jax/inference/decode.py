@@ -24,7 +24,7 @@ any ``sparsity`` collection) is passed to every ``model.apply``, prefill and dec
 each MLP applies its CETT (or FAT) zeroing rule: the masked dense MLP of ``models/mlp.py``. With
 ``sparse_capacity`` = C > 0 as well (batch 1, gated MLPs only), ``sparse_ffn.add_gather_rows`` lays
 out the row-contiguous [F, D] gate/up rows and norms ONCE per call, inside the jit but before the
-while loop, and the one-token decode steps take the gathered path of ``inference/sparse_ffn.py``
+while loop, and the one-token decode steps take the gathered path of ``models/sparse_ffn.py``
 (exact: same tokens and logits as C = 0 up to float summation order; more than C candidates fall
 back to the masked dense computation). The prefill stays the masked dense MLP. C is static (it
 lives in the model config, ``config.model.mlp.sparse_capacity``) and changing it recompiles.
@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from icml_jax.inference import sparse_ffn
+from icml_jax.models import sparse_ffn
 from icml_jax.models.decoder import build_model
 from icml_jax.models.layers import layer_order_key
 from icml_jax.models.mlp import is_gated
@@ -274,7 +274,7 @@ def generate(model_cfg: ml_collections.ConfigDict, params, prompts_tokens: Seque
             per_layer_thresholds)`` (``layer_i/mlp/threshold`` or scanned ``layers/mlp/threshold``
             [L]): the CETT zeroing rule in the prefill and every decode step (masked dense MLP).
         sparse_capacity: C > 0 runs the batch-1 decode steps' MLPs on the gathered path of
-            ``inference/sparse_ffn.py`` (C static candidate neurons, dense fallback above; e.g.
+            ``models/sparse_ffn.py`` (C static candidate neurons, dense fallback above; e.g.
             ``sparse_ffn.capacity_for(ratio, F)``); needs ``sparsity``, a gated MLP and one prompt.
             None = ``model_cfg.mlp.sparse_capacity`` (0 when absent); 0 = masked dense.
         return_sparse_stats: also return ``sparse_stats`` (see ``GenerateOutput``).

@@ -2,16 +2,19 @@
 
 No model is called in here; tasks (``icml_jax/tasks``) run the models and hand the arrays over.
 
-  logps       per-token log-probs of a response under a model's logits (prompt/padding masked)
+  logps       per-token log-probs under a model's logits (of targets, of a response with the
+              prompt/padding masked), the log-normaliser and the z-loss
   reward      Bradley-Terry reward-model losses and the BSR regulariser (specs/bsr.md)
   preference  DPO (sigmoid / robust / hinge / IPO) and TGDPO (specs/tgdpo.md)
   implicit_prm  outcome (CE) loss on a log-ratio reward, prefix values and step rewards, scoring
               (specs/implicit_prm.md)
 """
 from icml_jax.losses import implicit_prm
-from icml_jax.losses.logps import response_token_logps, sequence_logps
+from icml_jax.losses.logps import (log_normalizer, response_token_logps, sequence_logps,
+                                   token_logprobs, with_z_loss)
 from icml_jax.losses.preference import PREFERENCE_LOSSES, dpo_loss, tgdpo_loss
 from icml_jax.losses.reward import bsr_penalty, reward_loss
 
-__all__ = ["response_token_logps", "sequence_logps", "reward_loss", "bsr_penalty", "dpo_loss",
+__all__ = ["token_logprobs", "log_normalizer", "with_z_loss", "response_token_logps",
+           "sequence_logps", "reward_loss", "bsr_penalty", "dpo_loss",
            "tgdpo_loss", "PREFERENCE_LOSSES", "implicit_prm"]

@@ -1,4 +1,5 @@
-"""Per-token log-probs of a response, aligned with its tokens.
+"""Per-token log-probs from logits: of given targets, of a response aligned with its tokens,
+the log-normaliser and the z-loss. The one log-softmax-and-gather of the package.
 
 Axis letters: B sequences, T slots, V vocabulary.
 
@@ -12,11 +13,30 @@ import jax
 import jax.numpy as jnp
 
 
+def token_logprobs(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
+    """float32 [B, T]: log softmax(logits)[target] per slot (next-token targets already
+    aligned with the logits)."""
+    logp = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
+    return jnp.take_along_axis(logp, targets_BT[..., None], axis=-1)[..., 0]
+
+
+def log_normalizer(logits_BTV: jax.Array) -> jax.Array:
+    """float32 [B, T]: log Z = logsumexp over the vocabulary per slot."""
+    return jax.nn.logsumexp(logits_BTV.astype(jnp.float32), axis=-1)
+
+
+def with_z_loss(nll_sum, logits_BTV, w_BT, coef: float):
+    """(objective sum, z-loss sum): the z-loss sum is coef·Σ_t w_t·(log Z_t)²; the objective has
+    the value of ``nll_sum`` (so the reported loss stays plain CE) and the gradient of
+    nll_sum + z-loss sum (the z-loss enters through a zero-valued x - stop_gradient(x))."""
+    z_sum = coef * jnp.sum(jnp.square(log_normalizer(logits_BTV)) * w_BT)
+    return nll_sum + (z_sum - jax.lax.stop_gradient(z_sum)), z_sum
+
+
 def response_token_logps(logits_BTV: jax.Array, tokens_BT: jax.Array,
                          mask_BT: jax.Array) -> jax.Array:
     """float32 [B, T]: log p(tokens[t] | tokens[:t]) where ``mask_BT`` is set, else 0."""
-    logp = jax.nn.log_softmax(logits_BTV[:, :-1].astype(jnp.float32), axis=-1)
-    lp = jnp.take_along_axis(logp, tokens_BT[:, 1:, None], axis=-1)[..., 0]
+    lp = token_logprobs(logits_BTV[:, :-1], tokens_BT[:, 1:])
     lp_BT = jnp.pad(lp, ((0, 0), (1, 0)))
     return jnp.where(mask_BT > 0, lp_BT, 0.0)
 

@@ -44,6 +44,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from icml_jax.losses.logps import token_logprobs
+
 LOSS_TYPES = ("nll", "pr_hinge")
 
 
@@ -74,8 +76,7 @@ def pr_hinge_from_q(q_y, pr_lambda: float):
 def pr_token_losses(logits_BTV, targets_BT, *, pr_lambda: float = 1.0):
     """(pr_hinge [B, T], nll [B, T], q_y [B, T]), float32, for the targets under softmax(logits)."""
     check_pr_args("pr_hinge", pr_lambda)
-    logp = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
-    logq_y = jnp.take_along_axis(logp, targets_BT[..., None], axis=-1)[..., 0]
+    logq_y = token_logprobs(logits_BTV, targets_BT)
     q_y = jnp.exp(logq_y)
     return pr_hinge_from_q(q_y, pr_lambda), -logq_y, q_y
 

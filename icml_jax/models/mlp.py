@@ -37,7 +37,7 @@ Variables combine by AND of the keep masks. The MLP then sows ``intermediates/ml
 Under ``scan_layers`` every variable carries a leading [L] axis (``analysis.sparsity`` builds the
 trees).
 
-Gathered decode path (``icml_jax.inference.sparse_ffn``). When ``config.model.mlp.sparse_capacity``
+Gathered decode path (``icml_jax.models.sparse_ffn``). When ``config.model.mlp.sparse_capacity``
 = C > 0 (static), the MLP is gated, the input is statically [1, 1, D] (one decoded token at batch 1)
 and the ``sparsity`` collection also holds the prepared rows ``sparse_ffn.ROW_LEAVES``
 (``gate_rows`` / ``up_rows`` [F, D], ``down_norm`` / ``up_norm`` [F]; ``decode.generate`` adds them
@@ -58,7 +58,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from icml_jax.inference import sparse_ffn
+from icml_jax.models import sparse_ffn
 from icml_jax.models.layers import constrain, get_dtype, param
 from icml_jax.registry import Registry
 

@@ -4,27 +4,9 @@ import jax.numpy as jnp
 import ml_collections
 
 from icml_jax import data as data_lib
+from icml_jax.losses.logps import token_logprobs, with_z_loss
 from icml_jax.models import build_model
 from icml_jax.tasks import TASKS
-
-
-def token_logprobs(logits_BTV, targets_BT):
-    """log p(target) per token, float32 [B, T]."""
-    logp = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
-    return jnp.take_along_axis(logp, targets_BT[..., None], axis=-1)[..., 0]
-
-
-def log_normalizer(logits_BTV):
-    """log Z = logsumexp over the vocabulary per token, float32 [B, T]."""
-    return jax.nn.logsumexp(logits_BTV.astype(jnp.float32), axis=-1)
-
-
-def with_z_loss(nll_sum, logits_BTV, w_BT, coef: float):
-    """(objective sum, z-loss sum): the z-loss sum is coef·Σ_t w_t·(log Z_t)²; the objective has
-    the value of ``nll_sum`` (so the reported loss stays plain CE) and the gradient of
-    nll_sum + z-loss sum (the z-loss enters through a zero-valued x - stop_gradient(x))."""
-    z_sum = coef * jnp.sum(jnp.square(log_normalizer(logits_BTV)) * w_BT)
-    return nll_sum + (z_sum - jax.lax.stop_gradient(z_sum)), z_sum
 
 
 @TASKS.register("lm")

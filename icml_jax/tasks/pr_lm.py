@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from icml_jax.losses.logps import token_logprobs
 from icml_jax.losses.precision_recall import check_pr_args, pr_loss
 from icml_jax.tasks import TASKS
 from icml_jax.tasks.lm import LMTask
@@ -97,8 +98,7 @@ def sequence_logprobs(model, params, tokenizer, strings: Sequence[str],
         logits = model.apply({"params": p}, inp, pos, jnp.ones_like(inp)).astype(jnp.float32)
 
         def one(it):  # one temperature at a time: memory of one [B, T, V] log-softmax
-            logp = jax.nn.log_softmax(logits * it, axis=-1)
-            return (jnp.take_along_axis(logp, tgt[..., None], -1)[..., 0] * w).sum(-1)
+            return (token_logprobs(logits * it, tgt) * w).sum(-1)
         return jax.lax.map(one, inv_t)
 
     out = []

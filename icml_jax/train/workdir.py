@@ -12,6 +12,9 @@ the run which wrote the checkpoints.
   the previous run's files move to ``WORKDIR/previous_runs/<time>/``; nothing is deleted.
 * Checkpoint checksums: ``write_manifest`` records the CRC32 and size of every file of a committed
   checkpoint step in ``<step>/checksums.json``; ``verify_manifest`` compares them on restore.
+* Reading a finished run: ``read_workdir`` (its config and tokenizer, checked without JAX) and
+  ``load_workdir`` / ``latest_params`` (the params of its newest readable step), used by
+  ``python -m icml_jax.sample``, the experiments and the notebooks.
 """
 from __future__ import annotations
 
@@ -21,6 +24,11 @@ import os
 import socket
 import time
 import zlib
+
+import ml_collections
+
+from icml_jax.data.tokenizers import build_tokenizer
+from icml_jax.train import missing_checkpoints
 
 LOCK_FILE = ".lock"
 MANIFEST = "checksums.json"
@@ -224,3 +232,47 @@ def verify_manifest(step_dir: str) -> str | None:
         if _crc(full) != crc:
             return f"{rel}: checksum differs from the one recorded when it was saved"
     return None
+
+
+def read_workdir(workdir: str):
+    """(config, tokenizer) of a training workdir, checked without loading JAX or the params:
+    the folder, its config.json and a checkpoints/ folder must exist."""
+    if not os.path.isdir(workdir):
+        raise WorkdirError(f"{workdir}: no such folder")
+    cfg_path = os.path.join(workdir, "config.json")
+    if not os.path.exists(cfg_path):
+        raise WorkdirError(f"{workdir}: no config.json; is this a training workdir? (the trainer "
+                           "writes config.json and checkpoints/ there)")
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            config = ml_collections.ConfigDict(json.load(f))
+        config.model.vocab_size, config.model.max_seq_len, config.data.tokenizer  # pylint: disable=pointless-statement
+    except (ValueError, TypeError, AttributeError, KeyError) as e:  # incl. JSON / UTF-8 errors
+        raise WorkdirError(f"{cfg_path}: not a trainer config ({type(e).__name__}: "
+                           f"{str(e)[:200]}); the trainer rewrites it on the next run of this "
+                           "workdir") from None
+    error = missing_checkpoints(workdir)
+    if error:
+        raise WorkdirError(error)
+    tokenizer = build_tokenizer(config.data.tokenizer)
+    if tokenizer.vocab_size > config.model.vocab_size:
+        raise WorkdirError(f"tokenizer vocab {tokenizer.vocab_size} > model vocab "
+                           f"{config.model.vocab_size}")
+    return config, tokenizer
+
+
+def latest_params(workdir: str, model_cfg: ml_collections.ConfigDict):
+    """Params of the newest readable checkpoint step in WORKDIR/checkpoints -> (params, step).
+    Loads JAX (the only function here that does)."""
+    from icml_jax.train.checkpoint import CheckpointError, restore_model_params  # pylint: disable=g-import-not-at-top
+    try:
+        return restore_model_params(workdir, model_cfg)
+    except CheckpointError as e:
+        raise WorkdirError(str(e)) from e
+
+
+def load_workdir(workdir: str):
+    """(model_cfg, params, tokenizer, description) of a training workdir's newest step."""
+    config, tokenizer = read_workdir(workdir)
+    params, step = latest_params(workdir, config.model)
+    return config.model, params, tokenizer, f"{workdir} step {step}"

@@ -116,6 +116,9 @@ def test_gold_stats_and_groups_file(tmp_path):
 
 
 def test_sample_groups_tiny_random_model(tiny_config):
+    """experiments.preference_testbed.sample_groups: inference.sampling.sample_batched's
+    continuations scored by this module's gold reward."""
+    from experiments.preference_testbed import sample_groups
     from icml_jax.data.tokenizers import ByteTokenizer
     from icml_jax.models.decoder import build_model
     cfg = tiny_config.model
@@ -124,24 +127,24 @@ def test_sample_groups_tiny_random_model(tiny_config):
     params = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
     tok = ByteTokenizer()
     prompts = ["ROMEO.\nGood", "To be, or not"]
-    groups = tb.sample_groups(model, params, tok, prompts, 3, 1.0, 10, seed=0, batch_size=4,
-                              prompt_tokens=16)
+    groups = sample_groups(model, params, tok, prompts, 3, 1.0, 10, seed=0, batch_size=4,
+                           prompt_tokens=16)
     assert [g["prompt"] for g in groups] == prompts
     for g in groups:
         assert len(g["responses"]) == len(g["gold"]) == 3 and g["temperature"] == 1.0
         for r, s in zip(g["responses"], g["gold"]):
             assert len(r) <= 10  # <= 1 char per new byte: the continuation only, no prompt
             assert s == pytest.approx(float(tb.gold_reward([r])[0]))
-    again = tb.sample_groups(model, params, tok, prompts, 3, 1.0, 10, seed=0, batch_size=4,
-                             prompt_tokens=16)
+    again = sample_groups(model, params, tok, prompts, 3, 1.0, 10, seed=0, batch_size=4,
+                          prompt_tokens=16)
     assert again == groups
-    other = tb.sample_groups(model, params, tok, prompts, 3, 1.0, 10, seed=1, batch_size=4,
-                             prompt_tokens=16)
+    other = sample_groups(model, params, tok, prompts, 3, 1.0, 10, seed=1, batch_size=4,
+                          prompt_tokens=16)
     assert other != groups
     # 6 rows in batches of 4: the second batch is padded with 2 rows, which are dropped; one prompt
     # alone gets the same first 3 rows (batch 0, same key and shapes)
-    alone = tb.sample_groups(model, params, tok, prompts[:1], 3, 1.0, 10, seed=0, batch_size=4,
-                             prompt_tokens=16)
+    alone = sample_groups(model, params, tok, prompts[:1], 3, 1.0, 10, seed=0, batch_size=4,
+                          prompt_tokens=16)
     assert alone == groups[:1]
 
 

@@ -158,7 +158,7 @@ def test_unknown_registry_name_is_a_clear_error(tiny_config):
 
 def test_one_batch_overfits(tiny_config):
     """Repeating one batch drives the loss far below its starting value."""
-    from icml_jax.tasks.lm import token_logprobs
+    from icml_jax.losses.logps import token_logprobs
     model, params, tokens = _init(tiny_config, B=4, T=32)
     tx = optax.adam(1e-2)
     opt = tx.init(params)

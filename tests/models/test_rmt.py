@@ -21,7 +21,7 @@ from icml_jax.analysis.flops import param_count
 from icml_jax.config_utils import REPO_ROOT, load_config
 from icml_jax.models import build_model
 from icml_jax.models import rmt
-from icml_jax.tasks.lm import log_normalizer, token_logprobs, with_z_loss
+from icml_jax.losses.logps import log_normalizer, token_logprobs, with_z_loss
 from tests.jax_env import subprocess_env
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "rmt_reference.npz")

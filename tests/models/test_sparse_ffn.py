@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from absl.testing import parameterized
 
-from icml_jax.inference import sparse_ffn as sf
+from icml_jax.models import sparse_ffn as sf
 from icml_jax.models.mlp import ACTIVATIONS
 
 D, F = 48, 256
