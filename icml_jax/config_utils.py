@@ -1,5 +1,6 @@
 """Loading configs outside absl (tests, notebooks): ``load_config("configs/lm.py:tiny")``."""
 import importlib.util
+import math
 import os
 
 import ml_collections
@@ -23,3 +24,28 @@ def load_config(spec: str, unlocked: bool = False) -> ml_collections.ConfigDict:
     if unlocked:
         cfg.unlock()
     return cfg
+
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+
+def mesh_shape(mesh_cfg: ml_collections.ConfigDict, num_devices: int) -> tuple:
+    """Resolves the (data, fsdp, tensor) sizes of ``config.mesh`` for ``num_devices`` devices;
+    at most one may be -1 (inferred). Pure arithmetic: ``train/mesh.py`` builds the mesh."""
+    sizes = [int(mesh_cfg[a]) for a in MESH_AXES]
+    bad = [f"config.mesh.{a}={s}" for a, s in zip(MESH_AXES, sizes) if s == 0 or s < -1]
+    if bad:
+        raise ValueError(f"invalid mesh size(s) {', '.join(bad)}: use a positive size or -1 (infer)")
+    if sizes.count(-1) > 1:
+        raise ValueError("at most one of config.mesh.data/fsdp/tensor may be -1 (inferred)")
+    known = math.prod(s for s in sizes if s != -1)
+    if num_devices % known:
+        raise ValueError(
+            f"mesh sizes {dict(zip(MESH_AXES, sizes))} do not divide the {num_devices} available "
+            f"device(s): the product of config.mesh.data, .fsdp and .tensor must equal the device count")
+    sizes = [num_devices // known if s == -1 else s for s in sizes]
+    if math.prod(sizes) != num_devices:
+        raise ValueError(
+            f"mesh {dict(zip(MESH_AXES, sizes))} uses {math.prod(sizes)} devices but "
+            f"{num_devices} are available; set one of config.mesh.data/fsdp/tensor to -1 or fix the sizes")
+    return tuple(sizes)

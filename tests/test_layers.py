@@ -25,7 +25,6 @@ ALLOWED = {
 ENTRY_POINTS = {"main", "sample", "launch_local", "__init__"}  # may import anything
 # upward edges that remain (issue 16): (importing module, imported module)
 KNOWN = {
-    ("icml_jax/tasks/pairs.py", "icml_jax.train"),  # BSR shard count, frozen reference params
     ("icml_jax/interop/hf.py", "icml_jax.train"),  # the default mesh of a sharded HF load
 }
 

@@ -33,8 +33,8 @@ class ImplicitPRMTask(PairTask):
     example_shape = ()
     loss_unit = "responses"
 
-    def __init__(self, config: ml_collections.ConfigDict):
-        super().__init__(config)
+    def __init__(self, config: ml_collections.ConfigDict, context=None):
+        super().__init__(config, context)
         self.tokens_per_unit = config.data.seq_len
         L = config.loss
         if not L.beta > 0:

@@ -13,7 +13,8 @@ from icml_jax.tasks import TASKS
 class LMTask:
     """Batches are dicts of int32 [B, T]: inputs, targets, segment_ids (0 = padding), positions."""
 
-    def __init__(self, config: ml_collections.ConfigDict):
+    def __init__(self, config: ml_collections.ConfigDict, context=None):
+        del context  # an LM needs nothing from the loop
         self.config = config
         self.tokenizer = data_lib.build_tokenizer(config.data.tokenizer)
         if self.tokenizer.vocab_size > config.model.vocab_size:

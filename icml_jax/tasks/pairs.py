@@ -14,10 +14,10 @@ import ml_collections
 import numpy as np
 
 from icml_jax import data as data_lib
+from icml_jax.config_utils import mesh_shape
 from icml_jax.data import preference as pref_data
 from icml_jax.losses import response_token_logps
-from icml_jax.train import checkpoint as ckpt_lib
-from icml_jax.train import mesh as mesh_lib
+from icml_jax.tasks import TaskContext
 
 
 def flat(x):
@@ -38,8 +38,9 @@ class PairTask:
     loss_unit = "pairs"
     reports_perplexity = False
 
-    def __init__(self, config: ml_collections.ConfigDict):
+    def __init__(self, config: ml_collections.ConfigDict, context=None):
         self.config = config
+        self.context = context or TaskContext()
         d, t = config.data, config.train
         self.tokenizer = data_lib.build_tokenizer(d.tokenizer)
         if self.tokenizer.vocab_size > config.model.vocab_size:
@@ -52,8 +53,11 @@ class PairTask:
                 f"config.data.name='preference_jsonl' (got {d.name!r}) and config.data.path to a "
                 "TRL-format JSONL file (prompt/chosen/rejected per line)")
         self.tokens_per_unit = 2 * d.seq_len
-        shape = mesh_lib.mesh_shape(config.mesh, jax.device_count())
-        self.num_shards = shape[0] * shape[1]  # devices holding distinct batch rows
+        if self.context.num_shards is None:
+            shape = mesh_shape(config.mesh, jax.device_count())
+            self.num_shards = shape[0] * shape[1]  # devices holding distinct batch rows
+        else:
+            self.num_shards = int(self.context.num_shards)
         if config.get("loss", {}).get("bsr_num_shards", 0):  # emulate another run's layout
             self.num_shards = int(config.loss.bsr_num_shards)
         self.train_arrays, stats = self.load(d.path)
@@ -92,9 +96,12 @@ class PairTask:
         """Adds ``key``: the per-token log-probs (float32, aligned with ``tokens``) of every train
         and eval example under the frozen decoder ``model`` whose params are ``workdir``'s newest
         checkpoint. The params are dropped afterwards: only the arrays stay."""
+        if self.context.restore_params is None:
+            raise ValueError(f"{where}={workdir!r}: reading another run's params needs "
+                             "tasks.TaskContext(restore_params=...) (train_and_evaluate passes it)")
         try:
-            params, _ = ckpt_lib.restore_model_params(workdir, self.config.model)
-        except ckpt_lib.CheckpointError as e:
+            params = self.context.restore_params(workdir, self.config.model)
+        except ValueError as e:
             raise ValueError(f"{where}={workdir!r}: {e}") from e
         fn = jax.jit(lambda p, b: response_token_logps(
             model.apply({"params": p}, b["tokens"], b["positions"], b["segment_ids"]),

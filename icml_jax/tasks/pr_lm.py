@@ -48,8 +48,8 @@ def loss_settings(config: ml_collections.ConfigDict) -> dict:
 class PRLMTask(LMTask):
     """Batches as for ``lm``; the loss is ``pr_loss`` summed over the target tokens."""
 
-    def __init__(self, config: ml_collections.ConfigDict):
-        super().__init__(config)
+    def __init__(self, config: ml_collections.ConfigDict, context=None):
+        super().__init__(config, context)
         self.loss_kw = loss_settings(config)
         if float(config.train.get("z_loss", 0.0)):
             raise ValueError("task 'pr_lm' does not support config.train.z_loss; set it to 0")

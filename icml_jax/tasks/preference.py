@@ -31,8 +31,8 @@ from icml_jax.tasks.pairs import PairTask, as_sums, flat
 @TASKS.register("preference")
 class PreferenceTask(PairTask):
 
-    def __init__(self, config: ml_collections.ConfigDict):
-        super().__init__(config)
+    def __init__(self, config: ml_collections.ConfigDict, context=None):
+        super().__init__(config, context)
         L = config.loss
         if L.type not in PREFERENCE_LOSSES:
             raise ValueError(f"unknown config.loss.type {L.type!r}: choose one of {PREFERENCE_LOSSES}")

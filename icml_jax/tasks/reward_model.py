@@ -31,8 +31,8 @@ class RewardModelTask(PairTask):
     pretrained_key = "backbone"  # config.train.init_from (an LM workdir) loads the decoder here
     can_sample = False
 
-    def __init__(self, config: ml_collections.ConfigDict):
-        super().__init__(config)
+    def __init__(self, config: ml_collections.ConfigDict, context=None):
+        super().__init__(config, context)
         self.model = build_reward_model(config.model)
         L = config.loss
         # fail on a bad loss setting now, not at the first traced step

@@ -6,28 +6,7 @@ import ml_collections
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-MESH_AXES = ("data", "fsdp", "tensor")
-
-
-def mesh_shape(mesh_cfg: ml_collections.ConfigDict, num_devices: int) -> tuple:
-    """Resolves the (data, fsdp, tensor) sizes; at most one may be -1 (inferred)."""
-    sizes = [int(mesh_cfg[a]) for a in MESH_AXES]
-    bad = [f"config.mesh.{a}={s}" for a, s in zip(MESH_AXES, sizes) if s == 0 or s < -1]
-    if bad:
-        raise ValueError(f"invalid mesh size(s) {', '.join(bad)}: use a positive size or -1 (infer)")
-    if sizes.count(-1) > 1:
-        raise ValueError("at most one of config.mesh.data/fsdp/tensor may be -1 (inferred)")
-    known = int(np.prod([s for s in sizes if s != -1]))
-    if num_devices % known:
-        raise ValueError(
-            f"mesh sizes {dict(zip(MESH_AXES, sizes))} do not divide the {num_devices} available "
-            f"device(s): the product of config.mesh.data, .fsdp and .tensor must equal the device count")
-    sizes = [num_devices // known if s == -1 else s for s in sizes]
-    if int(np.prod(sizes)) != num_devices:
-        raise ValueError(
-            f"mesh {dict(zip(MESH_AXES, sizes))} uses {int(np.prod(sizes))} devices but "
-            f"{num_devices} are available; set one of config.mesh.data/fsdp/tensor to -1 or fix the sizes")
-    return tuple(sizes)
+from icml_jax.config_utils import MESH_AXES, mesh_shape  # noqa: F401  (re-exported)
 
 
 def make_mesh(mesh_cfg: ml_collections.ConfigDict, devices: Sequence = None) -> Mesh:

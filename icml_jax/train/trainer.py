@@ -247,7 +247,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     shape = validate_config(config, jax.device_count())
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         raise ValueError(f"the workdir {workdir} is a file, not a folder; pass another --workdir")
-    task = tasks.TASKS.get(config.task)(config)
+    task = build_task(config, shape)
     try:
         os.makedirs(workdir, exist_ok=True)
     except OSError as e:
@@ -280,6 +280,19 @@ def _on_process_0(fn, what: str):
     if error is not None:
         raise error
     return result
+
+
+def build_task(config, shape):
+    """``config.task``'s task, handed the loop's context (``tasks.TaskContext``): the number of
+    devices holding distinct batch rows of the (data, fsdp, tensor) mesh ``shape`` and the
+    params reader for frozen reference / guidance runs."""
+    def restore(workdir, model_cfg):
+        try:
+            return ckpt_lib.restore_model_params(workdir, model_cfg)[0]
+        except ckpt_lib.CheckpointError as e:
+            raise ValueError(str(e)) from e
+    context = tasks.TaskContext(num_shards=shape[0] * shape[1], restore_params=restore)
+    return tasks.TASKS.get(config.task)(config, context)
 
 
 def _lock_workdir(workdir: str):
@@ -559,8 +572,8 @@ def load_state(config: ml_collections.ConfigDict, workdir: str, devices=None):
     step). E.g. params trained on a 64-chip pod, inspected on 1 GPU with ``config.mesh`` all 1.
     An unreadable newest step is skipped with a warning and the previous one is used; nothing is
     moved (the workdir may belong to a live run)."""
-    validate_config(config, len(jax.devices() if devices is None else devices))
-    task = tasks.TASKS.get(config.task)(config)
+    shape = validate_config(config, len(jax.devices() if devices is None else devices))
+    task = build_task(config, shape)
     mesh = mesh_lib.make_mesh(config.mesh, devices)
     rules = mesh_lib.logical_rules(config.mesh)
     tx = make_optimizer(config.train, frozen_mask=functools.partial(frozen_param_mask, config.model),

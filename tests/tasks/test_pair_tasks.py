@@ -7,12 +7,12 @@ import numpy as np
 import optax
 import pytest
 
-from icml_jax.config_utils import load_config
+from icml_jax.config_utils import load_config, mesh_shape
 from icml_jax.data.preference import write_preference_jsonl
 from icml_jax.losses import bsr_penalty, response_token_logps
 from icml_jax.tasks import TASKS
 from icml_jax.train.checkpoint import restore_model_params
-from icml_jax.train.trainer import train_and_evaluate
+from icml_jax.train.trainer import build_task, train_and_evaluate
 
 from tests.tasks.helpers import synthetic_pairs as _pairs
 
@@ -31,6 +31,11 @@ def setup(tmp_path_factory):
     c.train.steps, c.train.samples, c.train.eval_every, c.train.checkpoint_every = 10, 0, 10, 10
     train_and_evaluate(c, sft)
     return dict(root=root, train=train, val=val, sft=sft)
+
+
+def _task(c):
+    """``c.task``'s task with the context the trainer hands it (shard count, params reader)."""
+    return build_task(c, mesh_shape(c.mesh, jax.device_count()))
 
 
 def _config(name, s, **loss):
@@ -76,7 +81,7 @@ def test_reward_model_trains_and_initialises_from_sft(setup, tmp_path):
     assert out["eval_accuracy"] > 0.9, out  # the easy preference is learnt
     assert "eval_perplexity" not in out and "eval_hidden_norm/std" in out
     # init_from put the SFT decoder into the backbone: step-0 backbone == SFT params
-    task = TASKS.get("reward_model")(c)
+    task = _task(c)
     sft, _ = restore_model_params(setup["sft"], c.model)
     from icml_jax.train.trainer import _init_from, create_sharded_state
     from icml_jax.train import mesh as mesh_lib
@@ -91,7 +96,7 @@ def test_reward_model_trains_and_initialises_from_sft(setup, tmp_path):
 
 def test_reward_model_bsr_is_per_shard(setup):
     c = _config("reward_model", setup, bsr_lambda=0.05)
-    task = TASKS.get("reward_model")(c)
+    task = _task(c)
     b = _batch(task)
     task.num_shards = 2  # as if the 8 rows sat on 2 data shards
 
@@ -110,7 +115,7 @@ def test_reward_model_bsr_is_per_shard(setup):
 
 
 def test_cached_reference_logps_equal_recomputed(setup):
-    task = TASKS.get("preference")(_config("dpo", setup))
+    task = _task(_config("dpo", setup))
     ref, _ = restore_model_params(setup["sft"], task.config.model)
 
     @jax.jit
@@ -132,14 +137,14 @@ def test_cached_reference_logps_equal_recomputed(setup):
 @pytest.mark.parametrize("loss_type", ["sigmoid", "robust", "hinge", "ipo"])
 def test_each_dpo_loss_type_trains_the_policy(setup, loss_type):
     extra = {"label_smoothing": 0.1} if loss_type == "robust" else {}
-    task = TASKS.get("preference")(_config("dpo", setup, type=loss_type, **extra))
+    task = _task(_config("dpo", setup, type=loss_type, **extra))
     losses, moved = _sgd_moves_and_learns(task)
     assert moved > 1e-4
     assert losses[-1] < losses[0] - 1e-3, losses
 
 
 def test_gradients_reach_only_the_policy(setup):
-    task = TASKS.get("preference")(_config("dpo", setup))
+    task = _task(_config("dpo", setup))
     params, _ = restore_model_params(setup["sft"], task.config.model)
     b = _batch(task)
 
@@ -160,8 +165,8 @@ def test_dpo_then_tgdpo_end_to_end(setup, tmp_path):
     out = train_and_evaluate(c, dpo_dir)
     assert np.isfinite(out["eval_loss"]) and "eval_rewards/accuracies" in out
     # TGDPO guided by that DPO policy; alpha = 0 gives DPO's loss on the same batch
-    tg = TASKS.get("preference")(_config("dpo", setup, type="tgdpo", guidance=dpo_dir))
-    dpo = TASKS.get("preference")(_config("dpo", setup))
+    tg = _task(_config("dpo", setup, type="tgdpo", guidance=dpo_dir))
+    dpo = _task(_config("dpo", setup))
     params, _ = restore_model_params(setup["sft"], c.model)
     b = _batch(tg)
     assert np.any(np.asarray(b["guide_logps"]) != np.asarray(b["ref_logps"]))
@@ -182,19 +187,21 @@ def test_errors(setup):
     with pytest.raises(ValueError, match="needs a frozen reference"):
         c = _config("dpo", setup)
         c.train.init_from = ""
-        TASKS.get("preference")(c)
+        _task(c)
     with pytest.raises(ValueError, match="config.loss.guidance"):
-        TASKS.get("preference")(_config("dpo", setup, type="tgdpo"))
+        _task(_config("dpo", setup, type="tgdpo"))
     with pytest.raises(ValueError, match="unknown config.loss.type"):
-        TASKS.get("preference")(_config("dpo", setup, type="kto"))
+        _task(_config("dpo", setup, type="kto"))
     with pytest.raises(ValueError, match="config.loss.reference=.*no checkpoints"):
-        TASKS.get("preference")(_config("dpo", setup, reference=str(setup["root"])))
+        _task(_config("dpo", setup, reference=str(setup["root"])))
+    with pytest.raises(ValueError, match=r"needs tasks\.TaskContext\(restore_params=\.\.\.\)"):
+        TASKS.get("preference")(_config("dpo", setup))  # built without the loop's context
     c = _config("reward_model", setup)
     c.data.name = "shakespeare"
     with pytest.raises(ValueError, match="preference_jsonl"):
-        TASKS.get("reward_model")(c)
+        _task(c)
     with pytest.raises(ValueError, match="config.loss.variant"):
-        TASKS.get("reward_model")(_config("reward_model", setup, variant="bogus"))
+        _task(_config("reward_model", setup, variant="bogus"))
 
 
 def test_implicit_prm_ce_task(setup, tmp_path):
@@ -205,7 +212,7 @@ def test_implicit_prm_ce_task(setup, tmp_path):
     write_unpaired_jsonl(path, rows)
     c = load_config("configs/implicit_prm.py:tiny", unlocked=True)
     c.data.path, c.train.init_from = path, setup["sft"]
-    task = TASKS.get("implicit_prm")(c)
+    task = _task(c)
     assert task.train_arrays["label"].tolist() == [1.0, 0.0] * 32
     b = _batch(task)
     params, _ = restore_model_params(setup["sft"], c.model)
@@ -225,4 +232,4 @@ def test_implicit_prm_ce_task(setup, tmp_path):
     with pytest.raises(ValueError, match="config.loss.beta"):
         c2 = c.copy_and_resolve_references()
         c2.loss.beta = 0.0
-        TASKS.get("implicit_prm")(c2)
+        _task(c2)
