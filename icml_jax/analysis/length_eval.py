@@ -22,11 +22,11 @@ import math
 from typing import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from icml_jax.data import get_split_source
 from icml_jax.inference import decode
+from icml_jax.losses.logps import token_logprobs
 from icml_jax.models import build_model
 
 NEEDLE = " The pass key is {key}. "  # short, so that it fits a 64-token training window
@@ -49,9 +49,7 @@ def _nll_fn(model_cfg):
 
     @jax.jit
     def f(params, inputs_BT, targets_BT):
-        logits = model.apply({"params": params}, inputs_BT)
-        logp = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
-        return -jnp.take_along_axis(logp, targets_BT[..., None], -1)[..., 0]  # [B, T]
+        return -token_logprobs(model.apply({"params": params}, inputs_BT), targets_BT)  # [B, T]
     return f
 
 
@@ -83,7 +81,7 @@ def perplexity_at_lengths(model_cfg, params, stream: np.ndarray, lengths: Sequen
     for L in lengths:
         inputs = stream[:n].reshape(-1, L)
         targets = stream[1:n + 1].reshape(-1, L)
-        B = max(1, tokens_per_batch // L)
+        B = max(1, min(tokens_per_batch, n) // L)  # no all-padding rows when n is small
         total = 0.0
         for i in range(0, len(inputs), B):
             x, y = inputs[i:i + B], targets[i:i + B]
