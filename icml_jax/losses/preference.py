@@ -93,6 +93,24 @@ def tgdpo_token_weights(ref_BT, guide_BT, *, beta: float, alpha: float, chosen: 
     return beta * f
 
 
+def tgdpo_logit(policy_chosen_BT, policy_rejected_BT, ref_chosen_BT, ref_rejected_BT,
+                guide_chosen_BT, guide_rejected_BT, mask_chosen_BT, mask_rejected_BT, *,
+                beta: float = 0.1, alpha: float = 0.5, weight_clip=None):
+    """(logit [B], chosen weights [B, T], rejected weights [B, T]), float32: TGDPO's
+    Bradley-Terry logit sum_t w_t^c (log pi - log ref)^c - sum_t w_t^r (log pi - log ref)^r over
+    the masked response tokens, with ``tgdpo_token_weights``; the loss is -log sigmoid(logit).
+    On arrays: per-token log-probs of the policy, the reference and the guidance policy."""
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    mc, mr = (mask_chosen_BT > 0).astype(jnp.float32), (mask_rejected_BT > 0).astype(jnp.float32)
+    rc_t, rr_t = jax.lax.stop_gradient(f32(ref_chosen_BT)), jax.lax.stop_gradient(f32(ref_rejected_BT))
+    pc_t, pr_t = f32(policy_chosen_BT), f32(policy_rejected_BT)
+    wc = tgdpo_token_weights(rc_t, guide_chosen_BT, beta=beta, alpha=alpha, chosen=True,
+                             weight_clip=weight_clip)
+    wr = tgdpo_token_weights(rr_t, guide_rejected_BT, beta=beta, alpha=alpha, chosen=False,
+                             weight_clip=weight_clip)
+    return jnp.sum(wc * (pc_t - rc_t) * mc, -1) - jnp.sum(wr * (pr_t - rr_t) * mr, -1), wc, wr
+
+
 def tgdpo_loss(policy_chosen_BT, policy_rejected_BT, ref_chosen_BT, ref_rejected_BT,
                guide_chosen_BT, guide_rejected_BT, mask_chosen_BT, mask_rejected_BT, *,
                beta: float = 0.1, alpha: float = 0.5, weight_clip=None, weights_B=None):
@@ -109,11 +127,10 @@ def tgdpo_loss(policy_chosen_BT, policy_rejected_BT, ref_chosen_BT, ref_rejected
         mc, mr = mc * (weights_B[:, None] > 0), mr * (weights_B[:, None] > 0)
     rc_t, rr_t = jax.lax.stop_gradient(f32(ref_chosen_BT)), jax.lax.stop_gradient(f32(ref_rejected_BT))
     pc_t, pr_t = f32(policy_chosen_BT), f32(policy_rejected_BT)
-    wc = tgdpo_token_weights(rc_t, guide_chosen_BT, beta=beta, alpha=alpha, chosen=True,
-                             weight_clip=weight_clip)
-    wr = tgdpo_token_weights(rr_t, guide_rejected_BT, beta=beta, alpha=alpha, chosen=False,
-                             weight_clip=weight_clip)
-    logit = jnp.sum(wc * (pc_t - rc_t) * mc, -1) - jnp.sum(wr * (pr_t - rr_t) * mr, -1)
+    logit, wc, wr = tgdpo_logit(policy_chosen_BT, policy_rejected_BT, ref_chosen_BT,
+                                ref_rejected_BT, guide_chosen_BT, guide_rejected_BT,
+                                mask_chosen_BT, mask_rejected_BT, beta=beta, alpha=alpha,
+                                weight_clip=weight_clip)
     loss = _wmean(-jax.nn.log_sigmoid(logit), weights_B)
     seq = lambda x, m: jnp.sum(x * m, -1)  # noqa: E731
     metrics = _metrics(seq(pc_t, mc), seq(pr_t, mr), seq(rc_t, mc), seq(rr_t, mr), beta, weights_B)

@@ -155,3 +155,20 @@ def test_errors():
     t = jnp.zeros((2, 3))
     with pytest.raises(ValueError, match="tgdpo_weight_clip"):
         tgdpo_loss(t, t, t, t, t, t, t, t, weight_clip=(2.0, 0.0))
+
+
+def test_tgdpo_logit_on_arrays():
+    """The exported array-level pieces: alpha = 0 gives beta times the DPO log-ratio margin over
+    the masked tokens, and the loss is -log sigmoid of the logit."""
+    from icml_jax.losses import tgdpo_logit, tgdpo_loss
+    rng = np.random.default_rng(0)
+    pc, pr, rc, rr, gc, gr = (jnp.asarray(rng.normal(size=(3, 5)), jnp.float32) for _ in range(6))
+    mc = jnp.asarray(rng.integers(0, 2, (3, 5)))
+    mr = jnp.asarray(rng.integers(0, 2, (3, 5)))
+    logit, wc, wr = tgdpo_logit(pc, pr, rc, rr, gc, gr, mc, mr, beta=0.3, alpha=0.0)
+    want = 0.3 * (jnp.sum((pc - rc) * mc, -1) - jnp.sum((pr - rr) * mr, -1))
+    np.testing.assert_allclose(logit, want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(wc, 0.3) and np.testing.assert_allclose(wr, 0.3)
+    logit, _, _ = tgdpo_logit(pc, pr, rc, rr, gc, gr, mc, mr, beta=0.3, alpha=0.5)
+    loss, _ = tgdpo_loss(pc, pr, rc, rr, gc, gr, mc, mr, beta=0.3, alpha=0.5)
+    np.testing.assert_allclose(loss, jnp.mean(-jax.nn.log_sigmoid(logit)), rtol=1e-6)
