@@ -21,13 +21,28 @@ def generate(model, params, tokenizer, prompts: Sequence[str], key: jax.Array, m
     ``model`` is a ``Decoder`` (its ``cfg`` is used; train- or decode-mode alike); each prompt is
     encoded as ``[bos] + encode(prompt)``; generation stops at the tokenizer's eos (or, for HF
     tokenizers, any of its ``eos_ids``). ``max_len`` caps prompt + new tokens."""
-    encoded = [[tokenizer.bos_id] + list(tokenizer.encode(p)) for p in prompts]
-    stops = tuple(getattr(tokenizer, "eos_ids", (tokenizer.eos_id,)))
+    encoded = _encode(tokenizer, prompts)
+    stops = _stops(tokenizer)
     out = decode.generate(model.cfg, params, encoded, key=key, max_new_tokens=max_new,
                           temperature=temperature, top_k=top_k, top_p=top_p, stop_tokens=stops,
                           pad_id=tokenizer.pad_id, max_len=max_len)
+    return _texts(tokenizer, out, stops, len(encoded))
+
+
+def _encode(tokenizer, prompts):
+    return [[tokenizer.bos_id] + list(tokenizer.encode(p)) for p in prompts]
+
+
+def _stops(tokenizer) -> tuple:
+    """The tokens that end a row: the eos, or all of an HF tokenizer's ``eos_ids``."""
+    return tuple(getattr(tokenizer, "eos_ids", (tokenizer.eos_id,)))
+
+
+def _texts(tokenizer, out, stops, n_rows: int) -> list[str]:
+    """The first ``n_rows`` continuations of ``decode.generate``'s output as text, without the
+    stop token (and the padding after it)."""
     texts = []
-    for row, n in zip(out.tokens, out.lengths):
+    for row, n in zip(out.tokens[:n_rows], out.lengths[:n_rows]):
         ids = row[:n].tolist()
         if ids and ids[-1] in stops:
             ids = ids[:-1]
@@ -59,13 +74,13 @@ def sample_batched(model_cfg, params, tokenizer, prompts: Sequence[str], n_per_p
                          f"{batch_size}")
     if not prompts:
         return []
-    encoded = [[tokenizer.bos_id] + list(tokenizer.encode(p)) for p in prompts]
+    encoded = _encode(tokenizer, prompts)
     longest = max(len(e) for e in encoded)
     width = decode.bucket_length(longest) if prompt_tokens is None else int(prompt_tokens)
     if width < longest:
         raise ValueError(f"prompt_tokens={width} is below the longest prompt ({longest} tokens "
                          "with bos)")
-    stops = tuple(getattr(tokenizer, "eos_ids", (tokenizer.eos_id,)))
+    stops = _stops(tokenizer)
     rows = [e for e in encoded for _ in range(n_per_prompt)]
     texts: list[str] = []
     base = jax.random.key(seed)
@@ -77,9 +92,5 @@ def sample_batched(model_cfg, params, tokenizer, prompts: Sequence[str], n_per_p
                               max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                               top_p=top_p, stop_tokens=stops, pad_id=tokenizer.pad_id,
                               max_len=width + max_new_tokens)
-        for row, n in zip(out.tokens[:real], out.lengths[:real]):
-            ids = row[:n].tolist()
-            if ids and ids[-1] in stops:
-                ids = ids[:-1]
-            texts.append(tokenizer.decode(ids))
+        texts += _texts(tokenizer, out, stops, real)
     return texts

@@ -191,11 +191,6 @@ class Checkpointer:
                   "falling back to the previous step", flush=True)
         self.manager.reload()
 
-    def wait(self):
-        """Blocks until an asynchronous save has been committed (and its checksums written)."""
-        self.manager.wait_until_finished()
-        self._seal()
-
     def close(self):
         self.manager.wait_until_finished()
         self._seal()

@@ -30,6 +30,21 @@ def _atomic_write(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
+def finite_or_none(obj):
+    """``obj`` with every non-finite float (nested in dicts, lists, tuples) replaced by None, so
+    that it is valid JSON."""
+    if isinstance(obj, dict):
+        return {k: finite_or_none(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_or_none(v) for v in obj]
+    return None if isinstance(obj, float) and not math.isfinite(obj) else obj
+
+
+def write_json(path: str, obj, indent: int | None = 2) -> None:
+    """``obj`` as valid JSON (non-finite floats become null), written atomically."""
+    _atomic_write(path, json.dumps(finite_or_none(obj), indent=indent, allow_nan=False))
+
+
 def read_metrics(path: str) -> list:
     if not os.path.exists(path):
         return []
@@ -64,8 +79,7 @@ class MetricsWriter:
         row = {"step": int(step)}
         row.update({k: (float(v) if isinstance(v, (int, float)) or hasattr(v, "dtype") else v)
                     for k, v in metrics.items()})
-        self._f.write(json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-                                  for k, v in row.items()}) + "\n")
+        self._f.write(json.dumps(finite_or_none(row), allow_nan=False) + "\n")
         self._f.flush()
         for k, v in row.items():
             if k != "step" and isinstance(v, float) and math.isfinite(v):

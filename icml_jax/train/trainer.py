@@ -30,7 +30,7 @@ from icml_jax.train import missing_checkpoints
 from icml_jax.train import distributed
 from icml_jax.train import mesh as mesh_lib
 from icml_jax.train import workdir as workdir_lib
-from icml_jax.train.metrics import MetricsWriter, plot_loss_curve
+from icml_jax.train.metrics import MetricsWriter, plot_loss_curve, write_json
 from icml_jax.train.optimizer import lr_schedule, make_optimizer
 
 
@@ -410,27 +410,23 @@ def _train(config, workdir: str, task, shape, stop: _StopOnSignal) -> dict:
     ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=t.keep_checkpoints,
                                  async_save=t.async_checkpoint,
                                  checksums=t.get("checkpoint_checksums", True))
-    try:
+    log = (lambda *a: print(*a, flush=True)) if is_main else (lambda *a: None)
+    try:  # a refused restore or init_from closes the manager before the error goes up
         restored, start = ckpt.restore_latest(abstract, data_iter)
+        if restored is not None:
+            state = restored
+            log(f"Resumed from {ckpt.directory}/{start}")
+        else:
+            state = init_state()
+            if t.get("init_from", ""):
+                state = state.replace(params=_init_from(task, t.init_from, state.params,
+                                                        state_shardings.params))
+                log(f"Initialised the params from {t.init_from}")
     except Exception:
         ckpt.close()
         raise
-    log = (lambda *a: print(*a, flush=True)) if is_main else (lambda *a: None)
-    if restored is not None:
-        state = restored
-        log(f"Resumed from {ckpt.directory}/{start}")
-    else:
-        state = init_state()
-        if t.get("init_from", ""):
-            try:
-                state = state.replace(params=_init_from(task, t.init_from, state.params,
-                                                        state_shardings.params))
-            except Exception:
-                ckpt.close()
-                raise
-            log(f"Initialised the params from {t.init_from}")
     if is_main:  # only now: a run refused above leaves the workdir's config.json as it was
-        _write_json(os.path.join(workdir, "config.json"), _config_dict(config))
+        write_json(os.path.join(workdir, "config.json"), _config_dict(config))
     procs = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
     log(f"Model: {n_params:,} params | mesh data={shape[0]} fsdp={shape[1]} tensor={shape[2]} "
         f"| {jax.device_count()} {jax.devices()[0].platform} device(s){procs} "
@@ -540,22 +536,9 @@ def _train(config, workdir: str, task, shape, stop: _StopOnSignal) -> dict:
         plot_loss_curve(writer.path, os.path.join(workdir, "loss_curve.png"))
         if sample:
             summary["samples"] = _print_samples(task, host_params, config, log)
-        _write_json(os.path.join(workdir, "summary.json"), summary)
+        write_json(os.path.join(workdir, "summary.json"), summary)
     summary["state"] = state
     return summary
-
-
-def _write_json(path: str, obj) -> None:
-    """Valid JSON (a non-finite float becomes null), written atomically."""
-    def clean(x):
-        if isinstance(x, dict):
-            return {k: clean(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return [clean(v) for v in x]
-        return None if isinstance(x, float) and not math.isfinite(x) else x
-    with open(path + ".tmp", "w") as f:
-        json.dump(clean(obj), f, indent=2, allow_nan=False)
-    os.replace(path + ".tmp", path)
 
 
 def _gather_to_host(tree):

@@ -29,6 +29,7 @@ import ml_collections
 
 from icml_jax.data.tokenizers import build_tokenizer
 from icml_jax.train import missing_checkpoints
+from icml_jax.train.metrics import write_json
 
 LOCK_FILE = ".lock"
 MANIFEST = "checksums.json"
@@ -198,10 +199,7 @@ def write_manifest(step_dir: str) -> None:
     """Writes ``step_dir/checksums.json`` ({relative path: [size, crc32]}) atomically."""
     entries = {rel: [os.path.getsize(os.path.join(step_dir, rel)), _crc(os.path.join(step_dir, rel))]
                for rel in _files(step_dir)}
-    tmp = os.path.join(step_dir, MANIFEST + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump({"version": 1, "files": entries}, f)
-    os.replace(tmp, os.path.join(step_dir, MANIFEST))
+    write_json(os.path.join(step_dir, MANIFEST), {"version": 1, "files": entries}, indent=None)
 
 
 def has_manifest(step_dir: str) -> bool:

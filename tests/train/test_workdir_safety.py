@@ -30,6 +30,7 @@ from icml_jax.train import checkpoint as ckpt_lib
 from icml_jax.train import mesh as mesh_lib
 from icml_jax.train import trainer
 from icml_jax.train import workdir as workdir_lib
+from icml_jax.train.metrics import write_json
 from icml_jax.train.optimizer import make_optimizer
 from tests.train.helpers import (cli_config, env, main_cmd, run_main, train_in_process,
                                  train_losses)
@@ -51,6 +52,11 @@ def reference(tmp_path_factory, data_dir):
     train_in_process(wd, *SHORT, data_dir=data_dir)
     losses = train_losses(wd)
     assert sorted(losses) == list(range(1, 13))
+    steps = sorted(int(s) for s in os.listdir(wd / "checkpoints"))
+    assert steps == [2, 4, 6, 8, 10, 12]
+    for s in steps:  # every committed step is sealed, and its checksums hold
+        assert workdir_lib.has_manifest(str(wd / "checkpoints" / str(s)))
+        assert workdir_lib.verify_manifest(str(wd / "checkpoints" / str(s))) is None
     return wd, losses
 
 
@@ -206,7 +212,7 @@ def test_non_finite_update_with_finite_loss_is_never_saved(tmp_path, data_dir):
 
 def test_summary_json_stays_valid_with_non_finite_values(tmp_path):
     path = str(tmp_path / "s.json")
-    trainer._write_json(path, {"eval_loss": float("nan"), "x": [float("inf"), 1.0]})
+    write_json(path, {"eval_loss": float("nan"), "x": [float("inf"), 1.0]})
     assert json.loads(open(path).read(), parse_constant=lambda c: pytest.fail(c)) == {
         "eval_loss": None, "x": [None, 1.0]}
 
