@@ -34,6 +34,7 @@ import time
 import numpy as np
 
 from benchmarks.common import median_time, write_report
+from icml_jax import xla_env
 
 from benchmarks.common import RESULTS_DIR  # noqa: E402
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -251,4 +252,5 @@ def _markdown(report: dict) -> str:
 
 
 if __name__ == "__main__":
+    xla_env.use_default_flags()  # before the first JAX computation
     main()

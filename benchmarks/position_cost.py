@@ -10,8 +10,7 @@ For every method it builds the trainer's own jitted, donated step (``create_shar
 All four steps are compiled first; then ``--rounds`` rounds each time ``--steps`` steps of every
 method in turn (interleaved, so a load change on a shared machine hits all methods alike). The
 step time is the minimum over all timed steps (median reported too) and the ratio is against RoPE.
-The XLA CPU flags are those of ``benchmarks.train_throughput.RECOMMENDED_XLA_FLAGS`` unless
-XLA_FLAGS is already set. Results: benchmarks/results/position_cost.{json,md} (written atomically).
+The XLA CPU flags are ``icml_jax.xla_env.use_default_flags()``'s, appended to any XLA_FLAGS set. Results: benchmarks/results/position_cost.{json,md} (written atomically).
 """
 import argparse
 import datetime
@@ -21,7 +20,7 @@ import sys
 import time
 
 from benchmarks.common import RESULTS_DIR, write_report
-from benchmarks.train_throughput import RECOMMENDED_XLA_FLAGS
+from icml_jax import xla_env
 
 METHODS = ("rope", "fope", "alibi", "nope")
 def build_step(preset: str, position: str, batch: int):
@@ -34,7 +33,7 @@ def build_step(preset: str, position: str, batch: int):
     from icml_jax.config_utils import load_config
     from icml_jax.models.positions import frozen_param_mask
     from icml_jax.tasks import TASKS
-    from icml_jax.train import mesh as mesh_lib
+    from icml_jax import sharding as mesh_lib
     from icml_jax.train.optimizer import make_optimizer
     from icml_jax.train.trainer import create_sharded_state, make_train_step
     warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -126,8 +125,7 @@ def main(argv=None) -> dict:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--out", default=RESULTS_DIR)
     a = p.parse_args(argv)
-    if "XLA_FLAGS" not in os.environ:  # before jax is imported
-        os.environ["XLA_FLAGS"] = RECOMMENDED_XLA_FLAGS
+    xla_env.use_default_flags()  # before the first JAX computation
     res = run(a.preset, a.steps, a.rounds, a.batch)
     md = markdown(res)
     write_report(a.out, "position_cost", res, md)

@@ -27,7 +27,7 @@ import sys
 import time
 
 from benchmarks.common import RESULTS_DIR, write_report
-from benchmarks.train_throughput import RECOMMENDED_XLA_FLAGS
+from icml_jax import xla_env
 
 TARGET_GAP = 0.25
 
@@ -84,7 +84,7 @@ def build_step(config, batch: int):
     import numpy as np
     from icml_jax.models.positions import frozen_param_mask
     from icml_jax.tasks import TASKS
-    from icml_jax.train import mesh as mesh_lib
+    from icml_jax import sharding as mesh_lib
     from icml_jax.train.optimizer import lr_schedule, make_optimizer
     from icml_jax.train.trainer import create_sharded_state, make_train_step
     warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -203,8 +203,7 @@ def main(argv=None) -> dict:
     for k in ("steps", "rounds", "batch", "seq_len"):
         if getattr(a, k) <= 0:
             raise SystemExit(f"--{k} must be positive, got {getattr(a, k)}")
-    if "XLA_FLAGS" not in os.environ:  # before jax is imported
-        os.environ["XLA_FLAGS"] = RECOMMENDED_XLA_FLAGS
+    xla_env.use_default_flags()  # before the first JAX computation
     res = run(a.steps, a.rounds, a.batch, a.seq_len)
     md = markdown(res)
     write_report(a.out, "rmt_cost", res, md)

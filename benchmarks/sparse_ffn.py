@@ -38,10 +38,8 @@ import os
 import platform
 import sys
 
-if "XLA_FLAGS" not in os.environ:  # faster CPU dots (see benchmarks/train_throughput.py)
-    os.environ["XLA_FLAGS"] = "--xla_cpu_experimental_ynn_fusion_type="
-
-from benchmarks.common import RESULTS_DIR, median_time, write_report  # noqa: E402
+from benchmarks.common import RESULTS_DIR, median_time, write_report
+from icml_jax import xla_env
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXPERIMENT_CSV = os.path.join(REPO_ROOT, "experiments", "sparsity_law", "results", "results.csv")
@@ -362,4 +360,5 @@ def _decode_markdown(report: dict) -> list:
 
 
 if __name__ == "__main__":
+    xla_env.use_default_flags()  # before the first JAX computation
     main()

@@ -31,7 +31,7 @@ MESH_AXES = ("data", "fsdp", "tensor")
 
 def mesh_shape(mesh_cfg: ml_collections.ConfigDict, num_devices: int) -> tuple:
     """Resolves the (data, fsdp, tensor) sizes of ``config.mesh`` for ``num_devices`` devices;
-    at most one may be -1 (inferred). Pure arithmetic: ``train/mesh.py`` builds the mesh."""
+    at most one may be -1 (inferred). Pure arithmetic: ``icml_jax/sharding.py`` builds the mesh."""
     sizes = [int(mesh_cfg[a]) for a in MESH_AXES]
     bad = [f"config.mesh.{a}={s}" for a, s in zip(MESH_AXES, sizes) if s == 0 or s < -1]
     if bad:

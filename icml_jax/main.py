@@ -13,6 +13,8 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from icml_jax import xla_env
+
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/lm.py:small.",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and plots.")
@@ -42,6 +44,7 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     logging.set_verbosity(logging.WARNING)
+    xla_env.use_default_flags()  # before the first JAX computation
     from icml_jax.train import distributed
 
     try:

@@ -16,6 +16,7 @@ import sys
 
 from absl import app, flags, logging
 
+from icml_jax import xla_env
 from icml_jax.train import workdir as workdir_lib  # no JAX: the inputs are checked first
 
 # JAX, flax and orbax are imported only once the inputs have been checked (config.json, the
@@ -104,6 +105,7 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     logging.set_verbosity(logging.ERROR)  # orbax logs restores at INFO/WARNING
+    xla_env.use_default_flags()  # before the first JAX computation
     try:
         run(FLAGS)
     except (SampleError, workdir_lib.WorkdirError, FileNotFoundError) as e:

@@ -25,6 +25,8 @@ environment with :func:`subprocess_env`, which keeps these settings and only set
 import os
 import tempfile
 
+from icml_jax import xla_env
+
 OPT_ENV = "ICML_JAX_TEST_XLA_OPT"
 CACHE_ENV = "ICML_JAX_TEST_COMPILATION_CACHE"
 # the fast-compile flags (see the module docstring), all added or none
@@ -58,6 +60,7 @@ def configure() -> tuple[str, bool]:
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", str(MIN_COMPILE_SECS))
     os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(16 << 30))
     os.environ["XLA_FLAGS"] = _with_opt_level(os.environ.get("XLA_FLAGS", "").split())
+    xla_env.use_default_flags()  # the flags icml_jax's entry points set
     return cache, own
 
 

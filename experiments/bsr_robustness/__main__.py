@@ -37,9 +37,7 @@ import os
 import sys
 import time
 
-if "XLA_FLAGS" not in os.environ:  # faster CPU dots (see benchmarks/train_throughput.py)
-    os.environ["XLA_FLAGS"] = "--xla_cpu_experimental_ynn_fusion_type="
-
+from icml_jax import xla_env
 from experiments.common import (cached, digest, save_figure, git_commit, markdown_table, write_atomic,
                                 write_csv, write_json)
 
@@ -504,4 +502,5 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
+    xla_env.use_default_flags()  # before the first JAX computation
     main(sys.argv[1:])

@@ -25,10 +25,8 @@ import os
 import sys
 import time
 
+from icml_jax import xla_env
 from experiments.common import git_commit, write_atomic, write_csv
-
-if "XLA_FLAGS" not in os.environ:  # faster CPU dots (see benchmarks/train_throughput.py)
-    os.environ["XLA_FLAGS"] = "--xla_cpu_experimental_ynn_fusion_type="
 
 PRESETS = {
     # seeds, ppl token budget (multiple of 8L), passkey depths and trials per cell, and the share of
@@ -305,4 +303,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    xla_env.use_default_flags()  # before the first JAX computation
     main()

@@ -33,10 +33,8 @@ import os
 import sys
 import time
 
+from icml_jax import xla_env
 from experiments.common import cached, git_commit, markdown_table, write_atomic, write_csv, write_json
-
-if "XLA_FLAGS" not in os.environ:  # faster CPU dots (see benchmarks/train_throughput.py)
-    os.environ["XLA_FLAGS"] = "--xla_cpu_experimental_ynn_fusion_type="
 
 PRESETS = {
     # evaluated checkpoints, CETT slice, dense-PPL slice, CETT-PPL-p% settings
@@ -413,4 +411,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    xla_env.use_default_flags()  # before the first JAX computation
     main()

@@ -47,9 +47,7 @@ import os
 import sys
 import time
 
-if "XLA_FLAGS" not in os.environ:  # faster CPU dots (see benchmarks/train_throughput.py)
-    os.environ["XLA_FLAGS"] = "--xla_cpu_experimental_ynn_fusion_type="
-
+from icml_jax import xla_env
 from experiments import preference_testbed
 from experiments.common import train_run as common_train_run
 from experiments.common import (FrozenPolicy, save_figure, cached, digest, flatten_overrides, git_commit,
@@ -618,4 +616,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    xla_env.use_default_flags()  # before the first JAX computation
     main()

@@ -18,6 +18,7 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import Mesh
 
+from icml_jax import sharding as mesh_lib
 from icml_jax.interop import hf_config, hf_params
 from icml_jax.interop.hf_params import Dims, Entry
 from icml_jax.interop.safetensors_io import SafetensorsFile, write_safetensors
@@ -100,8 +101,6 @@ def _validate_tensors(ckpt: Checkpoint, entries: list[Entry], tied: bool) -> Non
 
 
 def default_mesh_and_rules(mesh: Mesh | None, rules) -> tuple[Mesh, tuple]:
-    from icml_jax.train import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
-
     if mesh is None:
         mesh = mesh_lib.make_mesh(ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1)))
     if rules is None:

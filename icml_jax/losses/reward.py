@@ -25,7 +25,7 @@ rewards (chosen and rejected) of ONE device's micro-batch, with no all-reduce (`
 under data parallelism each device adds lambda_eff * m_s^2 to its own loss and the gradients are
 averaged, so the global objective is lambda_eff * mean_s(m_s^2). Under ``jit`` over a global batch
 the shards are explicit: the B rows are S contiguous blocks of B/S (the row layout of
-``icml_jax.train.mesh.batch_sharding``), so pass ``num_shards`` = S. ``reduce="global"`` uses the
+``icml_jax.sharding.batch_sharding``), so pass ``num_shards`` = S. ``reduce="global"`` uses the
 mean over the whole batch instead (a flag; not the reference). The gradient of the penalty with
 respect to each of the 2*B_dev rewards of a shard is lambda_eff * m_s / B_dev (spec §5.3).
 """

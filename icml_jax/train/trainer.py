@@ -28,7 +28,7 @@ from icml_jax.models.positions import frozen_param_mask
 from icml_jax.train import checkpoint as ckpt_lib
 from icml_jax.train import missing_checkpoints
 from icml_jax.train import distributed
-from icml_jax.train import mesh as mesh_lib
+from icml_jax import sharding as mesh_lib
 from icml_jax.train import workdir as workdir_lib
 from icml_jax.train.metrics import MetricsWriter, plot_loss_curve, write_json
 from icml_jax.train.optimizer import lr_schedule, make_optimizer

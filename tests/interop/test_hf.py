@@ -397,7 +397,7 @@ _SHARDED = textwrap.dedent("""
     from jax.sharding import PartitionSpec as P
     from icml_jax.interop import load_hf
     from icml_jax.models import build_model
-    from icml_jax.train.mesh import make_mesh
+    from icml_jax.sharding import make_mesh
     path, scan = sys.argv[1], sys.argv[2] == "1"
     assert jax.device_count() == 8, jax.device_count()
     mesh = make_mesh(ml_collections.ConfigDict(dict(data=2, fsdp=2, tensor=2)))

@@ -479,7 +479,8 @@ _SHARD_SCRIPT = r"""
 import json, jax, jax.numpy as jnp, flax.linen as nn
 from icml_jax.config_utils import load_config
 from icml_jax.tasks.lm import LMTask
-from icml_jax.train import mesh as mesh_lib, trainer
+from icml_jax import sharding as mesh_lib
+from icml_jax.train import trainer
 from icml_jax.train.optimizer import make_optimizer, lr_schedule
 
 

@@ -84,7 +84,7 @@ def test_reward_model_trains_and_initialises_from_sft(setup, tmp_path):
     task = _task(c)
     sft, _ = restore_model_params(setup["sft"], c.model)
     from icml_jax.train.trainer import _init_from, create_sharded_state
-    from icml_jax.train import mesh as mesh_lib
+    from icml_jax import sharding as mesh_lib
     from icml_jax.train.optimizer import make_optimizer
     tx = make_optimizer(c.train)
     mesh = mesh_lib.make_mesh(c.mesh)

@@ -5,7 +5,7 @@ import numpy as np
 
 from icml_jax.config_utils import load_config
 from icml_jax.tasks import TASKS
-from icml_jax.train import mesh as mesh_lib
+from icml_jax import sharding as mesh_lib
 from icml_jax.train.optimizer import lr_schedule, make_optimizer
 from icml_jax.train.trainer import create_sharded_state, make_train_step
 

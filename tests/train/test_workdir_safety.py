@@ -27,7 +27,7 @@ from icml_jax.config_utils import REPO_ROOT
 from icml_jax.models.positions import frozen_param_mask
 from icml_jax.tasks.lm import LMTask
 from icml_jax.train import checkpoint as ckpt_lib
-from icml_jax.train import mesh as mesh_lib
+from icml_jax import sharding as mesh_lib
 from icml_jax.train import trainer
 from icml_jax.train import workdir as workdir_lib
 from icml_jax.train.metrics import write_json

@@ -1,0 +1,38 @@
+"""``icml_jax.xla_env``: importing the package leaves the environment alone; entry points opt in."""
+import os
+import subprocess
+import sys
+
+from icml_jax import xla_env
+from icml_jax.config_utils import REPO_ROOT
+
+
+def test_use_default_flags_appends_keeps_and_opts_out():
+    env = {"XLA_FLAGS": "--xla_foo=1"}
+    assert xla_env.use_default_flags(env)
+    assert env["XLA_FLAGS"].split() == ["--xla_foo=1", *xla_env.CPU_FLAGS]
+    assert not xla_env.use_default_flags(env)  # already there: unchanged
+    assert env["XLA_FLAGS"].split() == ["--xla_foo=1", *xla_env.CPU_FLAGS]
+    mine = {"XLA_FLAGS": "--xla_cpu_experimental_ynn_fusion_type=dot"}  # the user's own value wins
+    assert not xla_env.use_default_flags(mine)
+    assert mine["XLA_FLAGS"] == "--xla_cpu_experimental_ynn_fusion_type=dot"
+    off = {xla_env.OPT_OUT_ENV: "1"}
+    assert not xla_env.use_default_flags(off) and "XLA_FLAGS" not in off
+    empty = {}
+    assert xla_env.use_default_flags(empty) and empty["XLA_FLAGS"] == " ".join(xla_env.CPU_FLAGS)
+
+
+def test_importing_the_package_changes_no_environment_variable():
+    """Every library layer is imported in a clean child; its environment must come out as it went
+    in (the CLI modules define absl flags but change nothing either until main runs). JAX's own
+    import sets TF_CPP_MIN_LOG_LEVEL and TPU_SKIP_MDS_QUERY, so the snapshot is taken after it."""
+    code = ("import os, jax; before = dict(os.environ)\n"
+            "import icml_jax, icml_jax.models, icml_jax.losses, icml_jax.data, icml_jax.tasks\n"
+            "import icml_jax.train.trainer, icml_jax.inference.decode, icml_jax.analysis.sparsity\n"
+            "import icml_jax.interop.hf, icml_jax.main, icml_jax.sample\n"
+            "changed = {k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k)}\n"
+            "assert not changed, sorted(changed)\n")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
