@@ -31,7 +31,6 @@ def build_step(preset: str, position: str, batch: int):
     import jax.numpy as jnp
     import numpy as np
     from icml_jax.config_utils import load_config
-    from icml_jax.models.positions import frozen_param_mask
     from icml_jax.tasks import TASKS
     from icml_jax import sharding as mesh_lib
     from icml_jax.train.optimizer import make_optimizer
@@ -48,7 +47,7 @@ def build_step(preset: str, position: str, batch: int):
             "positions": np.broadcast_to(np.arange(T, dtype=np.int32), (batch, T)).copy()}
     task = TASKS.get("lm")(config)
     mesh, rules = mesh_lib.make_mesh(config.mesh), mesh_lib.logical_rules(config.mesh)
-    tx = make_optimizer(config.train, frozen_mask=lambda p: frozen_param_mask(config.model, p))
+    tx = make_optimizer(config.train, config.model)
     state, shardings = create_sharded_state(task, tx, config, mesh, rules)
     bs = mesh_lib.batch_sharding(mesh)
     data = jax.device_put({k: jnp.asarray(v) for k, v in data.items()}, bs)

@@ -76,13 +76,11 @@ def _baseline(name: str) -> str:
 
 def build_step(config, batch: int):
     """(compiled step, state, batch) for one config, as ``train_and_evaluate`` builds them."""
-    import functools
     import warnings
     import flax.linen as nn
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from icml_jax.models.positions import frozen_param_mask
     from icml_jax.tasks import TASKS
     from icml_jax import sharding as mesh_lib
     from icml_jax.train.optimizer import lr_schedule, make_optimizer
@@ -94,8 +92,7 @@ def build_step(config, batch: int):
             "positions": np.broadcast_to(np.arange(T, dtype=np.int32), (batch, T)).copy()}
     task = TASKS.get(config.task)(config)
     mesh, rules = mesh_lib.make_mesh(config.mesh), mesh_lib.logical_rules(config.mesh)
-    tx = make_optimizer(config.train, frozen_mask=functools.partial(frozen_param_mask, config.model),
-                        model_cfg=config.model)
+    tx = make_optimizer(config.train, model_cfg=config.model)
     state, shardings = create_sharded_state(task, tx, config, mesh, rules)
     bs = mesh_lib.batch_sharding(mesh)
     data = jax.device_put({k: jnp.asarray(v) for k, v in data.items()}, bs)

@@ -21,46 +21,26 @@ Two conventions, stated once:
   evaluated with D = d_model, H = num_heads, D_h = head_dim, D_FF = ffn_dim whatever the MLP.
 
 Parameter counts are exact (they equal the initialised param trees, norm gains included).
+
+The formulas live on the residual streams' registry entries (``icml_jax.models.residual.Stream``:
+``standard`` in ``models/residual.py``, ``rmt`` in ``models/rmt.py``); this module dispatches and
+holds the paper's parameter-count formulas.
 """
 import ml_collections
 
-
-def _mlp_matrices(m) -> int:
-    """3 kernels [D, F] for gated MLPs (gate, up, down), 2 for plain ones."""
-    from icml_jax.models.mlp import is_gated
-    return 3 if is_gated(m.mlp.activation) else 2
+from icml_jax.models.residual import RESIDUALS, matmul_params  # noqa: F401  (re-exported)
+from icml_jax.models.residual import transformer_paper_forward_flops  # noqa: F401
+from icml_jax.models.rmt import rmt_matmul_flops_per_token, rmt_paper_forward_flops  # noqa: F401
 
 
 def param_count(m: ml_collections.ConfigDict) -> int:
-    """Exact number of parameters of ``Decoder(m)`` (dispatches on ``m.residual``)."""
-    if m.residual == "rmt":
-        return rmt_param_count(m)
-    return standard_param_count(m)
-
-
-def standard_param_count(m: ml_collections.ConfigDict) -> int:
-    """Exact number of parameters of ``Decoder(m)`` with the standard residual stream."""
-    D, L, H, G, K, F, V = (m.d_model, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim,
-                           m.ffn_dim, m.vocab_size)
-    attn = D * (H + 2 * G) * K + H * K * D
-    mlp = _mlp_matrices(m) * D * F
-    norms = 2 * D
-    io = V * D + D + (0 if m.tie_embeddings else D * V)
-    from icml_jax.models.positions import position_param_count  # FoPE coefficients
-    return L * (attn + mlp + norms + position_param_count(m)) + io
-
-
-def matmul_params(m: ml_collections.ConfigDict) -> int:
-    """Parameters that take part in a matmul per token (excludes the embedding lookup and norms;
-    includes the output projection, tied or not)."""
-    D, L, H, G, K, F, V = (m.d_model, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim,
-                           m.ffn_dim, m.vocab_size)
-    return L * (D * (H + 2 * G) * K + H * K * D + _mlp_matrices(m) * D * F) + D * V
+    """Exact number of parameters of ``Decoder(m)`` (the residual stream's ``param_count``)."""
+    return RESIDUALS.get(m.residual).param_count(m)
 
 
 def train_flops_per_token(m: ml_collections.ConfigDict, seq_len: int,
                           convention: str = "exact") -> float:
-    """Training FLOPs per token at context length ``seq_len`` (dispatches on ``m.residual``).
+    """Training FLOPs per token at context length ``seq_len``.
 
     ``convention``: ``exact`` (causal attention counted as half; see the module docstring) or
     ``paper`` (the RMT paper's Table 7 formulas, per token = per sequence / N)."""
@@ -68,65 +48,17 @@ def train_flops_per_token(m: ml_collections.ConfigDict, seq_len: int,
         return 3.0 * paper_forward_flops_per_sequence(m, seq_len) / seq_len
     if convention != "exact":
         raise ValueError(f"unknown FLOP convention {convention!r}; choose 'exact' or 'paper'")
-    if m.residual == "rmt":
-        return rmt_train_flops_per_token(m, seq_len)
-    return standard_train_flops_per_token(m, seq_len)
+    return RESIDUALS.get(m.residual).train_flops_per_token(m, seq_len)
 
 
-def standard_train_flops_per_token(m: ml_collections.ConfigDict, seq_len: int) -> float:
-    """Exact convention, standard stream."""
-    dense = 6.0 * matmul_params(m)
-    # QK^T and PV: 2 matmuls x 2 FLOPs x T x K per head per token, x3 for training, x0.5 causal.
-    attn = 3.0 * 2 * 2 * m.num_layers * m.num_heads * m.head_dim * seq_len * 0.5
-    return dense + attn
+def paper_forward_flops_per_sequence(m: ml_collections.ConfigDict, seq_len: int) -> float:
+    """The paper's forward FLOPs per sequence for ``m`` (the residual stream's formula)."""
+    return RESIDUALS.get(m.residual).paper_forward_flops(m, seq_len)
 
 
-# ----------------------------------------------------------------------------- RMT
-
-def _rmt_dims(m):
-    return m.num_layers, m.num_heads, m.rmt.key_dim, m.head_dim, m.ffn_dim, m.vocab_size
-
-
-def rmt_param_count(m: ml_collections.ConfigDict) -> int:
-    """Exact number of parameters of the RMT (``icml_jax.models.rmt``):
-    L(6R·Dk + m·R·Dv·F + 2Dv·Dk) + 2R·Dk + Dv·Dk + 2R·Dv·V (+ N·R·Dv for learned positions),
-    with m = 2 (plain MLP) or 3 (gated). With a plain MLP this is the paper's
-    R(2Dk(3L+1) + Dv(2L·D_FF + V)) plus the untied unembedding R·V·Dv plus the norm gains
-    (2L+1)·Dk·Dv, without its R·Dv·N position term (the default ALiBi has none)."""
-    L, R, K, E, F, V = _rmt_dims(m)
-    layer = 6 * R * K + _mlp_matrices(m) * R * E * F + 2 * E * K
-    io = 2 * R * K + E * K + 2 * R * E * V
-    pos = m.max_seq_len * R * E if m.rmt.position == "learned" else 0
-    return L * layer + io + pos
-
-
-def rmt_matmul_flops_per_token(m: ml_collections.ConfigDict) -> int:
-    """Forward matmul FLOPs per token outside attention's QK^T / PV (exact convention):
-    storage/retrieval 2R·Dk·Dv each (embedding store, 3 q/k/v retrievals, attention store, FFN
-    retrieval and store per layer, final retrieval), the MLP 2m·R·Dv·F, the unembedding 2R·Dv·V."""
-    L, R, K, E, F, V = _rmt_dims(m)
-    keys = (2 + 6 * L) * 2 * R * K * E
-    return keys + L * 2 * _mlp_matrices(m) * R * E * F + 2 * R * E * V
-
-
-def rmt_train_flops_per_token(m: ml_collections.ConfigDict, seq_len: int) -> float:
-    """Exact convention: 3 x (matmuls + causal-halved QK^T and PV: 2·2·T·Dv per head / 2)."""
-    attn = 3.0 * 2 * 2 * m.num_layers * m.num_heads * m.head_dim * seq_len * 0.5
-    return 3.0 * rmt_matmul_flops_per_token(m) + attn
-
-
-def rmt_paper_forward_flops(N: int, L: int, R: int, Dk: int, Dv: int, D_FF: int, V: int,
-                            vocab_term: str = "RV") -> float:
-    """RMT paper Table 7, forward FLOPs per sequence of N tokens (``vocab_term``: RV | RVDv)."""
-    if vocab_term not in ("RV", "RVDv"):
-        raise ValueError(f"unknown config.model.rmt.flops_vocab_term {vocab_term!r}; choose RV or RVDv")
-    X = V if vocab_term == "RV" else V * Dv
-    return 6.0 * N * R * Dk * Dv * (1 + L) + N * R * (4.0 * X + L * (4.0 * N * Dv + 3 * N + 4.0 * Dv * D_FF))
-
-
-def transformer_paper_forward_flops(N: int, L: int, D: int, H: int, D_h: int, D_FF: int, V: int) -> float:
-    """RMT paper Table 7, transformer forward FLOPs per sequence of N tokens."""
-    return 4.0 * N * (V + L * D * (2 * D_h * H + D_FF) + L * (N * D_h * H + 0.75 * N * H))
+def paper_train_flops(m: ml_collections.ConfigDict, seq_len: int, tokens: float) -> float:
+    """Paper-style training FLOPs total: 3 x forward per sequence x (tokens / seq_len) sequences."""
+    return 3.0 * paper_forward_flops_per_sequence(m, seq_len) * tokens / seq_len
 
 
 def transformer_paper_param_count(L: int, D: int, H: int, D_h: int, D_FF: int, V: int) -> int:
@@ -137,17 +69,3 @@ def transformer_paper_param_count(L: int, D: int, H: int, D_h: int, D_FF: int, V
 def rmt_paper_param_count(L: int, R: int, Dk: int, Dv: int, D_FF: int, V: int, N: int) -> int:
     """RMT paper Table 7 parameters R(2Dk(3L+1) + Dv(2L·D_FF + V + N)) (no unembedding, no norms)."""
     return R * (2 * Dk * (3 * L + 1) + Dv * (2 * L * D_FF + V + N))
-
-
-def paper_forward_flops_per_sequence(m: ml_collections.ConfigDict, seq_len: int) -> float:
-    """The paper's forward FLOPs per sequence for ``m`` (dispatches on ``m.residual``)."""
-    if m.residual == "rmt":
-        L, R, K, E, F, V = _rmt_dims(m)
-        return rmt_paper_forward_flops(seq_len, L, R, K, E, F, V, m.rmt.flops_vocab_term)
-    return transformer_paper_forward_flops(seq_len, m.num_layers, m.d_model, m.num_heads, m.head_dim,
-                                           m.ffn_dim, m.vocab_size)
-
-
-def paper_train_flops(m: ml_collections.ConfigDict, seq_len: int, tokens: float) -> float:
-    """Paper-style training FLOPs total: 3 x forward per sequence x (tokens / seq_len) sequences."""
-    return 3.0 * paper_forward_flops_per_sequence(m, seq_len) * tokens / seq_len

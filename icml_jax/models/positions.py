@@ -106,8 +106,23 @@ def apply_cos_sin(x, cos, sin):
 
 
 class PositionEmbedding(nn.Module):
-    """Base: no rotation, no bias (NoPE)."""
+    """Base: no rotation, no bias (NoPE). The class methods are what the train loop and the
+    parameter counter ask of a position embedding (they take ``config.model``)."""
     cfg: ml_collections.ConfigDict
+
+    @classmethod
+    def validate(cls, model_cfg) -> None:
+        """Raises ValueError, naming the config key, for a config this embedding cannot run."""
+
+    @classmethod
+    def frozen_leaf_names(cls, model_cfg) -> tuple:
+        """Names of this module's params the optimizer must never change."""
+        return ()
+
+    @classmethod
+    def layer_param_count(cls, model_cfg) -> int:
+        """Parameters one attention layer's position module owns."""
+        return 0
 
     def __call__(self, q, k, q_pos, k_pos):
         return q, k
@@ -120,6 +135,12 @@ class PositionEmbedding(nn.Module):
 class RoPE(PositionEmbedding):
     """Rotary embedding; ``config.model.rope_floor_clip`` zeroes the frequencies whose period is
     longer than the training length / ``rope_floor_ratio`` (FoPE's clipping, applied to RoPE)."""
+
+    @classmethod
+    def validate(cls, model_cfg) -> None:
+        if model_cfg.head_dim % 2:
+            raise ValueError(f"config.model.head_dim={model_cfg.head_dim} is odd: RoPE rotates pairs "
+                             "of channels; use an even head_dim")
 
     def inv_freq(self, head_dim: int):
         inv = rope_inv_freq(head_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
@@ -212,6 +233,18 @@ class FoPE(PositionEmbedding):
     positions 0..max_seq_len-1 are computed once per call and gathered per token (positions must
     be < max_seq_len, which the decoder and ``generate`` already enforce)."""
 
+    @classmethod
+    def frozen_leaf_names(cls, model_cfg) -> tuple:
+        return () if model_cfg.fope.learnable else ("sin_coef", "cos_coef")
+
+    @classmethod
+    def layer_param_count(cls, model_cfg) -> int:
+        """2 * G * D_in * D_out."""
+        c = model_cfg
+        _, d_in, d_out = fope_frequencies(c.head_dim, c.rope_theta, training_length(c),
+                                          c.get("rope_floor_ratio", 1.0), c.fope.dout_divisor)
+        return 2 * c.num_kv_heads * d_in * d_out
+
     def setup(self):
         c, f = self.cfg, self.cfg.fope
         K, G = c.head_dim, c.num_kv_heads
@@ -240,12 +273,11 @@ class FoPE(PositionEmbedding):
 def frozen_param_mask(model_cfg, params):
     """Pytree of bools like ``params``: True where the optimizer must not change the leaf
     (fixed FoPE coefficients: no update, no weight decay, as ``requires_grad=False`` in the
-    reference)."""
-    fixed = model_cfg.position == "fope" and not model_cfg.fope.learnable
+    reference); the names come from the position embedding's ``frozen_leaf_names``."""
+    names = POSITIONS.get(model_cfg.position).frozen_leaf_names(model_cfg)
 
     def leaf(path, _):
-        name = getattr(path[-1], "key", None)
-        return bool(fixed and name in ("sin_coef", "cos_coef"))
+        return bool(names) and getattr(path[-1], "key", None) in names
     return jax.tree_util.tree_map_with_path(leaf, params)
 
 
@@ -296,15 +328,14 @@ class ALiBi(PositionEmbedding):
     def bias(self, q_pos_BT, k_pos_BS):
         G, H = self.cfg.num_kv_heads, self.cfg.num_heads
         slopes_GR = jnp.asarray(alibi_slopes(H).reshape(G, H // G))
-        dist_BTS = (q_pos_BT[:, :, None] - k_pos_BS[:, None, :]).astype(jnp.float32)
-        return -slopes_GR[None, :, :, None, None] * dist_BTS[:, None, None]
+        return -slopes_GR[None, :, :, None, None] * alibi_distance(q_pos_BT, k_pos_BS)[:, None, None]
+
+
+def alibi_distance(q_pos_BT, k_pos_BS):
+    """q_pos - k_pos as float32 [B, T, S] (ALiBi's distance; the RMT uses it too)."""
+    return (q_pos_BT[:, :, None] - k_pos_BS[:, None, :]).astype(jnp.float32)
 
 
 def position_param_count(model_cfg) -> int:
     """Parameters one attention layer's position module owns (FoPE: 2 * G * D_in * D_out)."""
-    if model_cfg.position != "fope":
-        return 0
-    c = model_cfg
-    _, d_in, d_out = fope_frequencies(c.head_dim, c.rope_theta, training_length(c),
-                                      c.get("rope_floor_ratio", 1.0), c.fope.dout_divisor)
-    return 2 * c.num_kv_heads * d_in * d_out
+    return POSITIONS.get(model_cfg.position).layer_param_count(model_cfg)

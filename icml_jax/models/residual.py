@@ -8,8 +8,12 @@ A residual stream is a pair of module classes:
             ``Block(cfg, decode=...)`` and keeps its KV cache in the ``cache`` collection.
 The state ``h`` is any array pytree (a [B, T, D] vector for the standard stream; RMT keeps a
 per-token matrix). The decoder only loops, scans and remats; it never looks inside ``h``.
+
+The registry entry (``Stream``) also answers what the train loop and the FLOP counter ask of a
+stream (parameter and FLOP counts, optimizer groups, config checks), so neither names a stream.
+The FLOP conventions are stated in ``icml_jax.analysis.flops``.
 """
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -17,13 +21,30 @@ import ml_collections
 
 from icml_jax.models.attention import Attention
 from icml_jax.models.layers import RMSNorm, constrain, get_dtype, param
-from icml_jax.models.mlp import ACTIVATIONS
+from icml_jax.models.mlp import ACTIVATIONS, is_gated
+from icml_jax.models.positions import position_param_count
 from icml_jax.registry import Registry
 
 
+class OptimizerGroups(NamedTuple):
+    """Per-parameter optimizer data (functions of the param pytree, any nesting / layer stacking).
+
+    ``lr_multipliers``: pytree of python floats (the lr of a leaf is peak_lr · multiplier), or
+    None for plain AdamW; ``decay_mask``: pytree of bools (True = weight decay)."""
+    lr_multipliers: Callable | None
+    decay_mask: Callable
+
+
 class Stream(NamedTuple):
+    """A residual stream's registry entry. The functions take ``config.model``."""
     IO: type
     Block: type
+    param_count: Callable  # m -> exact number of parameters of Decoder(m)
+    train_flops_per_token: Callable  # (m, seq_len) -> training FLOPs per token, exact convention
+    paper_forward_flops: Callable  # (m, seq_len) -> the RMT paper's forward FLOPs per sequence
+    optimizer_groups: Callable | None = None  # m -> OptimizerGroups; None: AdamW, decay on matrices
+    validate: Callable | None = None  # m -> None; raises ValueError naming the config key
+    reads_position: bool = True  # whether config.model.position selects this stream's positions
 
 
 RESIDUALS = Registry("residual stream", "config.model.residual")
@@ -81,4 +102,49 @@ class StandardBlock(nn.Module):
         return h_BTD, None
 
 
-RESIDUALS.register("standard")(Stream(StandardIO, StandardBlock))
+# ----------------------------------------------------------------------------- accounting
+
+def mlp_matrices(m) -> int:
+    """3 kernels [D, F] for gated MLPs (gate, up, down), 2 for plain ones."""
+    return 3 if is_gated(m.mlp.activation) else 2
+
+
+def standard_param_count(m: ml_collections.ConfigDict) -> int:
+    """Exact number of parameters of ``Decoder(m)`` with the standard residual stream."""
+    D, L, H, G, K, F, V = (m.d_model, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim,
+                           m.ffn_dim, m.vocab_size)
+    attn = D * (H + 2 * G) * K + H * K * D
+    norms = 2 * D
+    io = V * D + D + (0 if m.tie_embeddings else D * V)
+    return L * (attn + mlp_matrices(m) * D * F + norms + position_param_count(m)) + io
+
+
+def matmul_params(m: ml_collections.ConfigDict) -> int:
+    """Parameters that take part in a matmul per token (excludes the embedding lookup and norms;
+    includes the output projection, tied or not)."""
+    D, L, H, G, K, F, V = (m.d_model, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim,
+                           m.ffn_dim, m.vocab_size)
+    return L * (D * (H + 2 * G) * K + H * K * D + mlp_matrices(m) * D * F) + D * V
+
+
+def standard_train_flops_per_token(m: ml_collections.ConfigDict, seq_len: int) -> float:
+    """Exact convention: 6 x matmul params + QK^T and PV (2 matmuls x 2 FLOPs x T x K per head
+    per token, x3 for training, x0.5 causal)."""
+    attn = 3.0 * 2 * 2 * m.num_layers * m.num_heads * m.head_dim * seq_len * 0.5
+    return 6.0 * matmul_params(m) + attn
+
+
+def transformer_paper_forward_flops(N: int, L: int, D: int, H: int, D_h: int, D_FF: int, V: int) -> float:
+    """RMT paper Table 7, transformer forward FLOPs per sequence of N tokens."""
+    return 4.0 * N * (V + L * D * (2 * D_h * H + D_FF) + L * (N * D_h * H + 0.75 * N * H))
+
+
+def _standard_paper_forward_flops(m: ml_collections.ConfigDict, seq_len: int) -> float:
+    return transformer_paper_forward_flops(seq_len, m.num_layers, m.d_model, m.num_heads,
+                                           m.head_dim, m.ffn_dim, m.vocab_size)
+
+
+RESIDUALS.register("standard")(Stream(
+    StandardIO, StandardBlock, param_count=standard_param_count,
+    train_flops_per_token=standard_train_flops_per_token,
+    paper_forward_flops=_standard_paper_forward_flops))

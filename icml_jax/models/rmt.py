@@ -70,7 +70,8 @@ import numpy as np
 from icml_jax.models.attention import NEG_INF, KVCache, attention_mask
 from icml_jax.models.layers import constrain, get_dtype, param
 from icml_jax.models.mlp import ACTIVATIONS
-from icml_jax.models.residual import RESIDUALS, Stream
+from icml_jax.models.positions import alibi_distance
+from icml_jax.models.residual import RESIDUALS, OptimizerGroups, Stream, mlp_matrices
 
 X_AXES = ("batch", "length", "act_rmt_value", "act_rmt_key")
 HEAD_AXES = ("batch", "length", "act_heads", None)
@@ -97,6 +98,10 @@ def validate(c: ml_collections.ConfigDict) -> None:
             raise ValueError(f"unknown config.model.rmt.{key}={val!r}; choose one of {list(ok)}")
     if r.key_dim <= 0:
         raise ValueError(f"config.model.rmt.key_dim must be positive, got {r.key_dim}")
+    if c.get("position", "rope") not in ("rope", "alibi"):  # rope: the base config's default
+        raise ValueError(f"residual='rmt' takes its positions from config.model.rmt.position "
+                         f"(alibi|learned), so config.model.position={c.position!r} would be "
+                         "ignored: set config.model.position=alibi (or leave the default rope)")
 
 
 def _fan_in(c) -> dict:
@@ -149,7 +154,9 @@ def attention_scale(c) -> float:
 
 
 def alibi_slopes(R: int) -> np.ndarray:
-    """m_r = 2^(-8(r+1)/R), r = 0..R-1, float32 [R] (the reference's geomspace)."""
+    """m_r = 2^(-8(r+1)/R), r = 0..R-1, float32 [R] (the reference's geomspace). Equal to
+    ``positions.alibi_slopes`` when R is a power of two; other R keep the reference's sequence
+    (Press et al.'s interleaving differs). The distance is ``positions.alibi_distance``."""
     return (2.0 ** (-8.0 * np.arange(1, R + 1) / R)).astype(np.float32)
 
 
@@ -262,10 +269,6 @@ class RMTIO(nn.Module):
         logits = logits.astype(jnp.float32) * output_multiplier(self.cfg)
         return constrain(logits, ("batch", "length", "act_vocab"))
 
-    @staticmethod
-    def optimizer_groups(model_cfg) -> "OptimizerGroups":
-        return optimizer_groups(model_cfg)
-
 
 class RMTAttention(nn.Module):
     """R single-head attentions whose q, k, v are retrievals from the normed residual."""
@@ -300,9 +303,8 @@ class RMTAttention(nn.Module):
         if c.rmt.inverse_layer_scaling:
             z_BRTS = z_BRTS / (layer_B1[:, :, None, None] + 1).astype(jnp.float32)
         if c.rmt.position == "alibi":
-            dist_BTS = (q_pos_BT[:, :, None] - k_pos_BS[:, None, :]).astype(jnp.float32)
             m_R = jnp.asarray(alibi_slopes(c.num_heads))
-            z_BRTS = z_BRTS - m_R[None, :, None, None] * dist_BTS[:, None]
+            z_BRTS = z_BRTS - m_R[None, :, None, None] * alibi_distance(q_pos_BT, k_pos_BS)[:, None]
         z_BRTS = jnp.where(mask_BTS[:, None], z_BRTS, NEG_INF)
         p_BRTS = jax.nn.softmax(z_BRTS, axis=-1)
         return jnp.einsum("BRTS,BSRE->BTRE", p_BRTS, v_BSRE.astype(jnp.float32), precision=hi)
@@ -337,19 +339,9 @@ class RMTBlock(nn.Module):
         return RMTState(x_BTEK, h.layer + 1), None
 
 
-RESIDUALS.register("rmt")(Stream(RMTIO, RMTBlock))
 
 
 # ----------------------------------------------------------------------------- optimizer groups
-
-class OptimizerGroups(NamedTuple):
-    """Per-parameter optimizer data (functions of the param pytree, any nesting / layer stacking).
-
-    ``lr_multipliers``: pytree of python floats (the lr of a leaf is peak_lr · multiplier), or
-    None for plain AdamW; ``decay_mask``: pytree of bools (True = weight decay)."""
-    lr_multipliers: Callable | None
-    decay_mask: Callable
-
 
 _NO_DECAY = ("embedding", "pos_embedding", "unembed", "scale")
 
@@ -372,3 +364,58 @@ def optimizer_groups(c) -> OptimizerGroups:
         return jax.tree_util.tree_map_with_path(lambda p, _: _leaf_name(p) not in _NO_DECAY, params)
 
     return OptimizerGroups(lr_mult if c.rmt.param == "mup" else None, decay)
+
+
+# ----------------------------------------------------------------------------- accounting
+# (conventions: icml_jax.analysis.flops)
+
+def _dims(m):
+    return m.num_layers, m.num_heads, m.rmt.key_dim, m.head_dim, m.ffn_dim, m.vocab_size
+
+
+def rmt_param_count(m: ml_collections.ConfigDict) -> int:
+    """Exact number of parameters of the RMT:
+    L(6R·Dk + m·R·Dv·F + 2Dv·Dk) + 2R·Dk + Dv·Dk + 2R·Dv·V (+ N·R·Dv for learned positions),
+    with m = 2 (plain MLP) or 3 (gated). With a plain MLP this is the paper's
+    R(2Dk(3L+1) + Dv(2L·D_FF + V)) plus the untied unembedding R·V·Dv plus the norm gains
+    (2L+1)·Dk·Dv, without its R·Dv·N position term (the default ALiBi has none)."""
+    L, R, K, E, F, V = _dims(m)
+    layer = 6 * R * K + mlp_matrices(m) * R * E * F + 2 * E * K
+    io = 2 * R * K + E * K + 2 * R * E * V
+    pos = m.max_seq_len * R * E if m.rmt.position == "learned" else 0
+    return L * layer + io + pos
+
+
+def rmt_matmul_flops_per_token(m: ml_collections.ConfigDict) -> int:
+    """Forward matmul FLOPs per token outside attention's QK^T / PV (exact convention):
+    storage/retrieval 2R·Dk·Dv each (embedding store, 3 q/k/v retrievals, attention store, FFN
+    retrieval and store per layer, final retrieval), the MLP 2m·R·Dv·F, the unembedding 2R·Dv·V."""
+    L, R, K, E, F, V = _dims(m)
+    keys = (2 + 6 * L) * 2 * R * K * E
+    return keys + L * 2 * mlp_matrices(m) * R * E * F + 2 * R * E * V
+
+
+def rmt_train_flops_per_token(m: ml_collections.ConfigDict, seq_len: int) -> float:
+    """Exact convention: 3 x (matmuls + causal-halved QK^T and PV: 2·2·T·Dv per head / 2)."""
+    attn = 3.0 * 2 * 2 * m.num_layers * m.num_heads * m.head_dim * seq_len * 0.5
+    return 3.0 * rmt_matmul_flops_per_token(m) + attn
+
+
+def rmt_paper_forward_flops(N: int, L: int, R: int, Dk: int, Dv: int, D_FF: int, V: int,
+                            vocab_term: str = "RV") -> float:
+    """RMT paper Table 7, forward FLOPs per sequence of N tokens (``vocab_term``: RV | RVDv)."""
+    if vocab_term not in ("RV", "RVDv"):
+        raise ValueError(f"unknown config.model.rmt.flops_vocab_term {vocab_term!r}; choose RV or RVDv")
+    X = V if vocab_term == "RV" else V * Dv
+    return 6.0 * N * R * Dk * Dv * (1 + L) + N * R * (4.0 * X + L * (4.0 * N * Dv + 3 * N + 4.0 * Dv * D_FF))
+
+
+def _paper_forward_flops(m: ml_collections.ConfigDict, seq_len: int) -> float:
+    L, R, K, E, F, V = _dims(m)
+    return rmt_paper_forward_flops(seq_len, L, R, K, E, F, V, m.rmt.flops_vocab_term)
+
+
+RESIDUALS.register("rmt")(Stream(
+    RMTIO, RMTBlock, param_count=rmt_param_count, train_flops_per_token=rmt_train_flops_per_token,
+    paper_forward_flops=_paper_forward_flops, optimizer_groups=optimizer_groups, validate=validate,
+    reads_position=False))

@@ -1,7 +1,8 @@
 """AdamW with warmup + cosine decay and global-norm clipping, from `config.train`.
 
-A residual stream may declare per-parameter optimizer groups (``IO.optimizer_groups(model_cfg)``
--> ``OptimizerGroups(lr_multipliers, decay_mask)``, e.g. ``icml_jax.models.rmt``). With
+With ``config.model``, the model's registry entries supply an ``OptimizerSpec``
+(``icml_jax.models.contract.optimizer_spec``): leaves that must never change (e.g. fixed FoPE
+coefficients) and a residual stream's optimizer groups (e.g. ``icml_jax.models.rmt``). With
 ``lr_multipliers`` the chain is the RMT reference's muP AdamW:
   clip -> Adam -> × (peak lr · multiplier per leaf) -> + weight_decay·θ (masked) -> × unit schedule,
 so the effective decay is schedule(t)·weight_decay·θ, independent of the peak lr. Without groups
@@ -10,6 +11,8 @@ so the effective decay is schedule(t)·weight_decay·θ, independent of the peak
 import jax
 import ml_collections
 import optax
+
+from icml_jax.models.contract import optimizer_spec
 
 
 def _warmup_cosine(t: ml_collections.ConfigDict, peak: float) -> optax.Schedule:
@@ -36,30 +39,21 @@ def scale_per_leaf(multipliers) -> optax.GradientTransformation:
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
-def stream_groups(model_cfg):
-    """The residual stream's ``OptimizerGroups`` for ``config.model``, or None."""
-    if model_cfg is None:
-        return None
-    from icml_jax.models.residual import RESIDUALS
-    hook = getattr(RESIDUALS.get(model_cfg.residual).IO, "optimizer_groups", None)
-    return hook(model_cfg) if hook is not None else None
-
-
 def _decay_mask(params):
     """Weight decay on matrices only (not on norm gains or other vectors)."""
     return jax.tree.map(lambda p: p.ndim >= 2, params)
 
 
-def make_optimizer(t: ml_collections.ConfigDict, frozen_mask=None,
+def make_optimizer(t: ml_collections.ConfigDict,
                    model_cfg: ml_collections.ConfigDict = None) -> optax.GradientTransformation:
-    """``frozen_mask(params) -> pytree of bools``: leaves that must never change (no update, no
-    weight decay), e.g. fixed FoPE coefficients (``icml_jax.models.positions.frozen_param_mask``).
-    ``model_cfg`` (``config.model``) selects the stream's optimizer groups, if it has any."""
-    groups = stream_groups(model_cfg)
-    decay_mask = groups.decay_mask if groups is not None else _decay_mask
+    """The optimizer of ``t`` (``config.train``); ``model_cfg`` (``config.model``) adds the
+    model's frozen leaves and optimizer groups. Without it: AdamW, decay on matrices, nothing
+    frozen."""
+    spec = optimizer_spec(model_cfg) if model_cfg is not None else None
+    decay_mask = spec.decay_mask if spec is not None and spec.decay_mask is not None else _decay_mask
     clip = optax.clip_by_global_norm(t.clip_norm) if t.clip_norm > 0 else optax.identity()
-    if groups is not None and groups.lr_multipliers is not None:
-        mults = groups.lr_multipliers
+    if spec is not None and spec.lr_multipliers is not None:
+        mults = spec.lr_multipliers
         parts = [
             clip,
             optax.scale_by_adam(b1=t.b1, b2=t.b2, eps=t.eps),
@@ -70,6 +64,6 @@ def make_optimizer(t: ml_collections.ConfigDict, frozen_mask=None,
     else:
         parts = [clip, optax.adamw(lr_schedule(t), b1=t.b1, b2=t.b2, eps=t.eps,
                                    weight_decay=t.weight_decay, mask=decay_mask)]
-    if frozen_mask is not None:
-        parts.append(optax.masked(optax.set_to_zero(), frozen_mask))
+    if spec is not None:
+        parts.append(optax.masked(optax.set_to_zero(), spec.frozen_mask))
     return optax.chain(*parts)

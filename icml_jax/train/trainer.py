@@ -3,7 +3,6 @@
 Every task (``config.task``) provides the model, the loss and the data; this file is the same for
 all of them. See ``train_and_evaluate``.
 """
-import functools
 import json
 import math
 import os
@@ -22,13 +21,13 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
+from icml_jax import sharding as mesh_lib
 from icml_jax import tasks
 from icml_jax.analysis.flops import train_flops_per_token
-from icml_jax.models.positions import frozen_param_mask
+from icml_jax.models import contract as model_contract
 from icml_jax.train import checkpoint as ckpt_lib
 from icml_jax.train import missing_checkpoints
 from icml_jax.train import distributed
-from icml_jax import sharding as mesh_lib
 from icml_jax.train import workdir as workdir_lib
 from icml_jax.train.metrics import MetricsWriter, plot_loss_curve, write_json
 from icml_jax.train.optimizer import lr_schedule, make_optimizer
@@ -91,9 +90,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> tupl
     if m.num_heads % m.num_kv_heads:
         raise ValueError(f"config.model.num_heads={m.num_heads} is not a multiple of "
                          f"config.model.num_kv_heads={m.num_kv_heads}")
-    if m.get("position") == "rope" and m.head_dim % 2:
-        raise ValueError(f"config.model.head_dim={m.head_dim} is odd: RoPE rotates pairs of "
-                         "channels; use an even head_dim")
+    model_contract.validate(m)  # the residual stream's and position embedding's own checks
     if m.num_kv_heads % shape[2]:
         raise ValueError(f"config.mesh.tensor={shape[2]} does not divide config.model.num_kv_heads="
                          f"{m.num_kv_heads}: tensor parallelism splits the KV heads; pick a tensor "
@@ -398,8 +395,7 @@ def _train(config, workdir: str, task, shape, stop: _StopOnSignal) -> dict:
     t = config.train
     is_main = jax.process_index() == 0
     mesh, rules = mesh_lib.make_mesh(config.mesh), mesh_lib.logical_rules(config.mesh)
-    tx = make_optimizer(t, frozen_mask=functools.partial(frozen_param_mask, config.model),
-                        model_cfg=config.model)
+    tx = make_optimizer(t, model_cfg=config.model)
 
     abstract, state_shardings, init_state = sharded_state(task, tx, config, mesh, rules)
     n_params = sum(x.size for x in jax.tree.leaves(abstract.params))
@@ -559,8 +555,7 @@ def load_state(config: ml_collections.ConfigDict, workdir: str, devices=None):
     task = build_task(config, shape)
     mesh = mesh_lib.make_mesh(config.mesh, devices)
     rules = mesh_lib.logical_rules(config.mesh)
-    tx = make_optimizer(config.train, frozen_mask=functools.partial(frozen_param_mask, config.model),
-                        model_cfg=config.model)
+    tx = make_optimizer(config.train, model_cfg=config.model)
     abstract = abstract_state(task, tx, config, mesh, rules)
     error = missing_checkpoints(workdir)
     if error:

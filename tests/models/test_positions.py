@@ -250,7 +250,7 @@ def test_fope_gradient_and_optimizer_freeze(learnable):
     tok = jax.random.randint(jax.random.key(0), (2, 16), 0, 200)
     params = _init_params(model, tok, 1)
     c.train.weight_decay = 0.5
-    tx = make_optimizer(c.train, frozen_mask=lambda p: P.frozen_param_mask(c.model, p))
+    tx = make_optimizer(c.train, c.model)
 
     @jax.jit
     def step(p, st):  # also returns the gradient at p: one compiled program for both checks

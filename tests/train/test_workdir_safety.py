@@ -6,7 +6,6 @@ One uninterrupted 12-step run (checkpoints every 2 steps) is trained once; each 
 with step 12 removed (a run stopped after step 10), does the hostile thing, checks that the good
 checkpoints are untouched, and where it matters reruns correctly and compares the losses with the
 uninterrupted run's."""
-import functools
 import json
 import os
 import re
@@ -22,12 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from icml_jax import sharding as mesh_lib
 from icml_jax import tasks
 from icml_jax.config_utils import REPO_ROOT
-from icml_jax.models.positions import frozen_param_mask
 from icml_jax.tasks.lm import LMTask
 from icml_jax.train import checkpoint as ckpt_lib
-from icml_jax import sharding as mesh_lib
 from icml_jax.train import trainer
 from icml_jax.train import workdir as workdir_lib
 from icml_jax.train.metrics import write_json
@@ -144,8 +142,7 @@ def test_structure_mismatch_found_by_the_checkpoint_itself(stopped, tiny_config)
     (not "corrupt"); a permission error also moves nothing."""
     c = tiny_config
     c.model.tie_embeddings = False
-    tx = make_optimizer(c.train, frozen_mask=functools.partial(frozen_param_mask, c.model),
-                        model_cfg=c.model)
+    tx = make_optimizer(c.train, model_cfg=c.model)
     mesh, rules = mesh_lib.make_mesh(c.mesh), mesh_lib.logical_rules(c.mesh)
     abstract = trainer.abstract_state(tasks.TASKS.get("lm")(c), tx, c, mesh, rules)
     steps = _steps(stopped)

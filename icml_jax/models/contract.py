@@ -1,0 +1,39 @@
+"""What the train loop asks of a model config, answered by its registry entries: the residual
+stream of ``config.model.residual`` (``models/residual.py``'s ``Stream``) and, for streams that
+read it, the position embedding of ``config.model.position`` (``models/positions.py``). The
+trainer and the optimizer call these two functions and never name a method.
+"""
+from typing import Callable, NamedTuple
+
+import ml_collections
+
+from icml_jax.models import rmt as _rmt  # noqa: F401  registers residual="rmt"
+from icml_jax.models.positions import POSITIONS, frozen_param_mask
+from icml_jax.models.residual import RESIDUALS
+
+
+class OptimizerSpec(NamedTuple):
+    """Functions of the param pytree. ``frozen_mask``: True where a leaf must never change (no
+    update, no weight decay); ``lr_multipliers``: per-leaf lr multipliers or None (plain AdamW);
+    ``decay_mask``: True where weight decay applies, or None (matrices only)."""
+    frozen_mask: Callable
+    lr_multipliers: Callable | None
+    decay_mask: Callable | None
+
+
+def validate(m: ml_collections.ConfigDict) -> None:
+    """One-line ValueErrors, naming the config key, for a model config its parts cannot run."""
+    stream = RESIDUALS.get(m.residual)
+    if stream.validate is not None:
+        stream.validate(m)
+    if stream.reads_position:
+        POSITIONS.get(m.position).validate(m)
+
+
+def optimizer_spec(m: ml_collections.ConfigDict) -> OptimizerSpec:
+    """The frozen leaves (the position embedding's) and optimizer groups (the stream's)."""
+    stream = RESIDUALS.get(m.residual)
+    groups = stream.optimizer_groups(m) if stream.optimizer_groups is not None else None
+    return OptimizerSpec(frozen_mask=lambda params: frozen_param_mask(m, params),
+                         lr_multipliers=groups.lr_multipliers if groups is not None else None,
+                         decay_mask=groups.decay_mask if groups is not None else None)
