@@ -115,7 +115,7 @@ def ce_loss(reward_B, label_B, *, log_clamp: float | None = -100.0, weights_B=No
     """(mean BCE(sigma(r), label), metrics). With ``log_clamp`` (the reference: torch BCELoss on
     sigma(r), whose logs are clamped at -100) the logs are taken of the float32 probabilities;
     ``None`` uses log-sigmoid (no saturation). Metrics: ``accuracy`` ((r > 0) == label),
-    ``reward/correct`` and ``reward/incorrect`` (mean r over each label)."""
+    ``rewards/correct`` and ``rewards/incorrect`` (TRL-style names) (mean r over each label)."""
     r = reward_B.astype(jnp.float32)
     y = label_B.astype(jnp.float32)
     if log_clamp is None:
@@ -127,7 +127,7 @@ def ce_loss(reward_B, label_B, *, log_clamp: float | None = -100.0, weights_B=No
     w = jnp.ones_like(r) if weights_B is None else weights_B.astype(jnp.float32)
     mean = lambda x, ww: jnp.sum(x * ww) / jnp.maximum(jnp.sum(ww), 1.0)  # noqa: E731
     metrics = {"accuracy": mean(((r > 0) == (y > 0.5)).astype(jnp.float32), w),
-               "reward/correct": mean(r, w * y), "reward/incorrect": mean(r, w * (1 - y))}
+               "rewards/correct": mean(r, w * y), "rewards/incorrect": mean(r, w * (1 - y))}
     return mean(losses, w), metrics
 
 

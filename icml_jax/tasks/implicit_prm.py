@@ -10,7 +10,7 @@ decoder (from ``config.train.init_from``) and ref the frozen generator (``config
 "" = ``init_from``), whose per-token log-probs are computed once and cached in the batches as
 ``ref_logps``. Loss: ``icml_jax.losses.implicit_prm.ce_loss`` (BCE of sigma(r); logs clamped at
 ``config.loss.bce_log_clamp``, the reference's -100; 0 = no clamp). Logged: ``accuracy``
-((r > 0) == label), ``reward/correct``, ``reward/incorrect``.
+((r > 0) == label), ``rewards/correct``, ``rewards/incorrect``.
 
 Step rewards for scoring come from the trained model with ``icml_jax.losses.implicit_prm``
 (``token_log_ratios`` -> ``prefix_values`` -> ``step_rewards`` -> ``aggregate``); see
@@ -22,10 +22,9 @@ import numpy as np
 
 from icml_jax.data import preference as pref_data
 from icml_jax.losses import implicit_prm as ip
-from icml_jax.losses import response_token_logps
 from icml_jax.models import build_model
 from icml_jax.tasks import TASKS
-from icml_jax.tasks.pairs import PairTask, as_sums
+from icml_jax.tasks.pairs import PairTask, as_sums, response_logps_fn
 
 
 @TASKS.register("implicit_prm")
@@ -40,6 +39,7 @@ class ImplicitPRMTask(PairTask):
         if not L.beta > 0:
             raise ValueError(f"config.loss.beta must be > 0, got {L.beta}")
         self.model = build_model(config.model)
+        self._token_logps = response_logps_fn(self.model)
         reference = L.reference or config.train.init_from
         if not reference:
             raise ValueError("config.task='implicit_prm' needs the frozen reference (the "
@@ -63,9 +63,7 @@ class ImplicitPRMTask(PairTask):
 
     def loss(self, params, batch):
         L = self.config.loss
-        logits = self.model.apply({"params": params}, batch["tokens"], batch["positions"],
-                                  batch["segment_ids"])
-        lp = response_token_logps(logits, batch["tokens"], batch["response_mask"])
+        lp = self._token_logps(params, batch)
         lr = ip.token_log_ratios(lp, batch["ref_logps"], jnp.zeros(lp.shape[:1], jnp.int32),
                                  batch["response_mask"])
         r = ip.outcome_reward(lr, L.beta)

@@ -7,20 +7,15 @@ from icml_jax import data as data_lib
 from icml_jax.losses.logps import token_logprobs, with_z_loss
 from icml_jax.models import build_model
 from icml_jax.tasks import TASKS
+from icml_jax.tasks.base import Task
 
 
 @TASKS.register("lm")
-class LMTask:
+class LMTask(Task):
     """Batches are dicts of int32 [B, T]: inputs, targets, segment_ids (0 = padding), positions."""
 
     def __init__(self, config: ml_collections.ConfigDict, context=None):
-        del context  # an LM needs nothing from the loop
-        self.config = config
-        self.tokenizer = data_lib.build_tokenizer(config.data.tokenizer)
-        if self.tokenizer.vocab_size > config.model.vocab_size:
-            raise ValueError(
-                f"config.model.vocab_size={config.model.vocab_size} is smaller than the tokenizer's "
-                f"vocabulary ({self.tokenizer.vocab_size}); raise config.model.vocab_size")
+        super().__init__(config, context)
         self.model = build_model(config.model)
 
     def dummy_batch(self, batch_size: int, seq_len: int):

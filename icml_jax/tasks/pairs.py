@@ -13,11 +13,10 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from icml_jax import data as data_lib
 from icml_jax.config_utils import mesh_shape
 from icml_jax.data import preference as pref_data
 from icml_jax.losses import response_token_logps
-from icml_jax.tasks import TaskContext
+from icml_jax.tasks.base import Task
 
 
 def flat(x):
@@ -31,7 +30,16 @@ def as_sums(loss, metrics, w_B):
     return loss * n, n, {k: v * n for k, v in metrics.items()}
 
 
-class PairTask:
+def response_logps_fn(model):
+    """One jitted ``(params, batch) -> per-token log-probs`` of ``model`` on example rows
+    (``tokens``, ``positions``, ``segment_ids``, ``response_mask`` [N, T]; float32 [N, T], 0
+    outside the responses). Under an outer jit (the train step) it is inlined."""
+    return jax.jit(lambda p, b: response_token_logps(
+        model.apply({"params": p}, b["tokens"], b["positions"], b["segment_ids"]),
+        b["tokens"], b["response_mask"]))
+
+
+class PairTask(Task):
     """Reads ``config.data.path`` (training pairs) and ``config.data.eval_path`` (validation
     pairs; "" = the first ``eval_batches * batch_size`` training pairs) once, tokenised."""
 
@@ -39,14 +47,8 @@ class PairTask:
     reports_perplexity = False
 
     def __init__(self, config: ml_collections.ConfigDict, context=None):
-        self.config = config
-        self.context = context or TaskContext()
+        super().__init__(config, context)
         d, t = config.data, config.train
-        self.tokenizer = data_lib.build_tokenizer(d.tokenizer)
-        if self.tokenizer.vocab_size > config.model.vocab_size:
-            raise ValueError(
-                f"config.model.vocab_size={config.model.vocab_size} is smaller than the tokenizer's "
-                f"vocabulary ({self.tokenizer.vocab_size}); raise config.model.vocab_size")
         if d.name != "preference_jsonl" or not d.path:
             raise ValueError(
                 f"config.task={config.task!r} trains on preference pairs: set "
@@ -103,9 +105,7 @@ class PairTask:
             params = self.context.restore_params(workdir, self.config.model)
         except ValueError as e:
             raise ValueError(f"{where}={workdir!r}: {e}") from e
-        fn = jax.jit(lambda p, b: response_token_logps(
-            model.apply({"params": p}, b["tokens"], b["positions"], b["segment_ids"]),
-            b["tokens"], b["response_mask"]))
+        fn = response_logps_fn(model)
         T = self.config.data.seq_len
         for arrays in (self.train_arrays, self.eval_arrays):
             rows = {k: arrays[k].reshape(-1, T)

@@ -15,17 +15,14 @@ log-probs, TRL's convention), tgdpo_alpha, tgdpo_weight_clip (() = unclipped, th
 (lo, hi)), sft_weight (the reference's ``pref_ftx``: + weight * mean per-token NLL of the chosen
 response), reference, guidance. Metrics use TRL's names (``rewards/chosen`` ...).
 """
-import functools
-
-import jax
 import jax.numpy as jnp
 import ml_collections
 
-from icml_jax.losses import PREFERENCE_LOSSES, dpo_loss, response_token_logps, sequence_logps
+from icml_jax.losses import PREFERENCE_LOSSES, dpo_loss, sequence_logps
 from icml_jax.losses import tgdpo_loss
 from icml_jax.models import build_model
 from icml_jax.tasks import TASKS
-from icml_jax.tasks.pairs import PairTask, as_sums, flat
+from icml_jax.tasks.pairs import PairTask, as_sums, flat, response_logps_fn
 
 
 @TASKS.register("preference")
@@ -39,6 +36,7 @@ class PreferenceTask(PairTask):
         dpo_loss(jnp.zeros(1), jnp.zeros(1), jnp.zeros(1), jnp.zeros(1), beta=L.beta,
                  label_smoothing=L.label_smoothing)  # fail on bad values now
         self.model = build_model(config.model)
+        self._token_logps = response_logps_fn(self.model)
         reference = L.reference or config.train.init_from
         if not L.reference_free:
             if not reference:
@@ -55,11 +53,6 @@ class PreferenceTask(PairTask):
                 raise ValueError("TGDPO's token reward is a log-ratio against the reference: "
                                  "config.loss.reference_free must be False")
             self.cache_frozen_logps("guide_logps", L.guidance, "config.loss.guidance", self.model)
-
-    @functools.partial(jax.jit, static_argnums=0)
-    def _token_logps(self, params, b):
-        logits = self.model.apply({"params": params}, b["tokens"], b["positions"], b["segment_ids"])
-        return response_token_logps(logits, b["tokens"], b["response_mask"])
 
     def init_params(self, rng, batch):
         return self.model.init(rng, flat(batch["tokens"]), flat(batch["positions"]),

@@ -14,8 +14,6 @@ and the score-head norm ``score_norm``. Batch statistics (std) are per (micro-)b
 config.loss: variant (bt | hinge | normalized | eurus), margin, center_coef, bsr_lambda,
 bsr_scale_by_batch, bsr_reduce (local | global).
 """
-import functools
-
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -34,6 +32,7 @@ class RewardModelTask(PairTask):
     def __init__(self, config: ml_collections.ConfigDict, context=None):
         super().__init__(config, context)
         self.model = build_reward_model(config.model)
+        self._score = jax.jit(self._score_rows)
         L = config.loss
         # fail on a bad loss setting now, not at the first traced step
         reward_loss(jnp.zeros(self.num_shards), jnp.zeros(self.num_shards), variant=L.variant,
@@ -78,8 +77,7 @@ class RewardModelTask(PairTask):
                             batch_size)
         return out[:, 0], out[:, 1]
 
-    @functools.partial(jax.jit, static_argnums=0)
-    def _score(self, params, b):
+    def _score_rows(self, params, b):
         r, h = self.apply(params, b["tokens"], b["positions"], b["segment_ids"], b["lengths"])
         return jnp.stack([r, jnp.linalg.norm(h, axis=-1)], -1)
 

@@ -289,7 +289,11 @@ def build_task(config, shape):
         except ckpt_lib.CheckpointError as e:
             raise ValueError(str(e)) from e
     context = tasks.TaskContext(num_shards=shape[0] * shape[1], restore_params=restore)
-    return tasks.TASKS.get(config.task)(config, context)
+    cls = tasks.TASKS.get(config.task)
+    if not (isinstance(cls, type) and issubclass(cls, tasks.Task)):
+        raise TypeError(f"config.task={config.task!r} is registered as {cls!r}, which does not "
+                        "subclass icml_jax.tasks.Task (the contract of tasks/base.py)")
+    return cls(config, context)
 
 
 def _lock_workdir(workdir: str):
@@ -441,10 +445,10 @@ def _train(config, workdir: str, task, shape, stop: _StopOnSignal) -> dict:
     writer = MetricsWriter(workdir, start, enabled=is_main)
     # A task whose loss is a mean over examples (pairs) says how many tokens one example trains
     # on; the LM's loss unit is the token itself.
-    unit = getattr(task, "loss_unit", "tokens")
-    tokens_per_unit = getattr(task, "tokens_per_unit", 1)
+    unit = task.loss_unit
+    tokens_per_unit = task.tokens_per_unit
     flops_per_token = train_flops_per_token(config.model, config.data.seq_len)
-    perplexity = getattr(task, "reports_perplexity", True)
+    perplexity = task.reports_perplexity
     pending, window_start = [], time.time()
     bar = tqdm(total=t.steps, initial=start, disable=not (is_main and t.progress), unit="step",
                dynamic_ncols=True)
@@ -525,7 +529,7 @@ def _train(config, workdir: str, task, shape, stop: _StopOnSignal) -> dict:
     if start >= t.steps and restored is not None:  # already finished: report the eval again
         summary.update(evaluate(eval_step, state.params, eval_batches, to_global, perplexity))
     summary["step"] = int(jax.device_get(state.step))
-    sample = t.samples > 0 and getattr(task, "can_sample", True)
+    sample = t.samples > 0 and task.can_sample
     # every process takes part in gathering the params; process 0 alone then samples
     host_params = _gather_to_host(state.params) if sample else None
     if is_main:
@@ -574,7 +578,7 @@ def _init_from(task, workdir: str, params, shardings):
     """The params of ``workdir``'s newest checkpoint (a run of the same model, e.g. the SFT policy)
     restored straight into this run's shardings; a task whose params hold the decoder under a
     key (``task.pretrained_key``, e.g. a reward model's ``backbone``) gets them there."""
-    key = getattr(task, "pretrained_key", None)
+    key = task.pretrained_key
     sub, sub_shard = (params, shardings) if key is None else (params[key], shardings[key])
     abstract = restore_target(sub, sub_shard)
     try:
