@@ -1,4 +1,4 @@
-"""DPO (sigmoid / robust / hinge / IPO) and TGDPO (specs/tgdpo.md) from an SFT policy.
+"""DPO (sigmoid / robust / hinge / IPO) and TGDPO (docs/methods/tgdpo.md) from an SFT policy.
 
 Run (pairs in TRL's JSONL format; init_from: the SFT workdir, also the frozen reference):
   python -m icml_jax.main --config=configs/dpo.py:default --workdir=runs/dpo \

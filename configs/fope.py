@@ -6,12 +6,12 @@ Run one model:
 The experiment (RoPE / FoPE / ALiBi / NoPE, 2 seeds, eval to 8x the training length):
   python -m experiments.fope_length --workdir=runs/fope_length [--preset=tiny|default]
 
-Presets (all: position="fope" with the reference defaults of specs/fope.md §3, multi-head attention
+Presets (all: position="fope" with the reference defaults of docs/methods/fope.md, multi-head attention
 so that FoPE's per-head coefficients are exactly the reference's; ``train_seq_len`` = data.seq_len
 and ``max_seq_len`` = 8x it so the same model evaluates up to 8x the training length):
   ``tiny``     seconds; tests and the notebook.
   ``default``  the experiment's CPU model: L = 64, d_model 128, 2 layers, 4 heads of 32.
-  ``spec``     the spec's §6 reproduction model: L = 128, d_model 256, 4 layers, 4 heads of 64
+  ``spec``     the method page's reproduction model: L = 128, d_model 256, 4 layers, 4 heads of 64
                (D_in = D_out = 11); max_seq_len 2048 (16x). Tens of minutes per 1k steps on a CPU.
 """
 import importlib.util

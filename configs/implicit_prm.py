@@ -1,4 +1,4 @@
-"""Implicit process reward models (specs/implicit_prm.md): CE on outcome labels of a
+"""Implicit process reward models (docs/methods/implicit_prm.md): CE on outcome labels of a
 log-ratio reward r = beta * log pi/ref; step rewards come for free at scoring time.
 
 Run (labelled completions in TRL's unpaired JSONL: prompt / completion / label; init_from: the

@@ -40,7 +40,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.train_seq_len = 0
     c.model.rope_floor_clip = False  # rope only: zero the clipped frequencies (fope always clips)
     c.model.rope_floor_ratio = 1.0
-    c.model.fope = ml_collections.ConfigDict()  # position="fope" only; see specs/fope.md
+    c.model.fope = ml_collections.ConfigDict()  # position="fope" only; see docs/methods/fope.md
     c.model.fope.init_gain = 0.3  # g of the eye + xavier-normal init
     c.model.fope.init_std = "xavier"  # xavier: g*sqrt(2/(D_out*(D_in+G))) (reference) | gain: g
     c.model.fope.learnable = False  # reference default: fixed coefficients
@@ -56,7 +56,7 @@ def base_config() -> ml_collections.ConfigDict:
     # MLPs + a sparsity tree only; models/sparse_ffn.py); 0 = off (masked dense MLP)
     c.model.mlp.sparse_capacity = 0
     c.model.residual = "standard"  # registry icml_jax.models.residual: standard | rmt
-    # Residual Matrix Transformer (residual="rmt"; specs/rmt.md). It reuses num_layers (L),
+    # Residual Matrix Transformer (residual="rmt"; docs/methods/rmt.md). It reuses num_layers (L),
     # num_heads (R, = num_kv_heads), head_dim (Dv), ffn_dim (N_ff), vocab_size; d_model is unused.
     c.model.rmt = ml_collections.ConfigDict()
     c.model.rmt.key_dim = 32  # Dk: the residual is a Dk x Dv matrix per token

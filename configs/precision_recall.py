@@ -1,4 +1,4 @@
-"""Next-token LMs trained with NLL or the precision-recall loss (specs/precision_recall.md).
+"""Next-token LMs trained with NLL or the precision-recall loss (docs/methods/precision_recall.md).
 
 Run (any JSONL corpus, one string per row; the experiment writes one from a synthetic source):
   python -m icml_jax.main --config=configs/precision_recall.py:default --workdir=runs/pr_nll \

@@ -1,4 +1,4 @@
-"""Bradley-Terry reward models with batch-wise sum-to-zero regularisation (BSR; specs/bsr.md).
+"""Bradley-Terry reward models with batch-wise sum-to-zero regularisation (BSR; docs/methods/bsr.md).
 
 Run (pairs in TRL's JSONL format; init_from: an LM workdir whose decoder becomes the backbone):
   python -m icml_jax.main --config=configs/reward_model.py:default --workdir=runs/rm_bsr \

@@ -1,4 +1,4 @@
-"""Residual Matrix Transformer (``config.model.residual="rmt"``; spec ``specs/rmt.md``).
+"""Residual Matrix Transformer (``config.model.residual="rmt"``; ``docs/methods/rmt.md``).
 
 Run:
   python -m icml_jax.main --config=configs/rmt.py:small --workdir=runs/rmt_small
@@ -14,7 +14,7 @@ to 10%, clipping at 1. The model reuses num_layers (L), num_heads (= num_kv_head
 (Dv), ffn_dim (N_ff); ``rmt.key_dim`` is Dk; d_model is unused.
 
   ``tiny``        tests: L=2, R=2, Dv=8, Dk=4, N_ff=32 (seconds).
-  ``small``       spec §6 tiny RMT: L=4, Dv=32, R=4, N_ff=512, Dk=32 (CPU, minutes); lr 1e-2 as
+  ``small``       tiny RMT: L=4, Dv=32, R=4, N_ff=512, Dk=32 (CPU, minutes); lr 1e-2 as
                   the reference (params.yaml), 10% warmup.
   ``repo_134m``   the reference repo's params.yaml model: L=12, Dk=32, Dv=64, R=12, N_ff=3072,
                   GPT-2 vocab size, seq 512, batch 64, lr 1e-2, 5000 steps, 500 warmup (accelerator;

@@ -12,7 +12,7 @@ trend. The two models of the experiment differ only in ``config.model.mlp.activa
 
 Presets:
   ``tiny``     seconds; tests.
-  ``default``  the spec's §6 model: 4 layers, d_model 128, d_ff 512, 4 heads of 32, byte tokens,
+  ``default``  the method page's experiment model: 4 layers, d_model 128, d_ff 512, 4 heads of 32, byte tokens,
                batch 8 x 128, 800 steps (0.82M tokens). A checkpoint every 25 steps, all kept
                (~12 MB each); the experiment evaluates a log-spaced subset of them.
 """

@@ -1,4 +1,4 @@
-"""BT vs BT+BSR reward models on the shared preference testbed (specs/bsr.md §6).
+"""BT vs BT+BSR reward models on the shared preference testbed (docs/methods/bsr.md).
 
 Run with ``python -m experiments.bsr_robustness --workdir=DIR [--preset=tiny|default]``; see
 ``__main__.py``.

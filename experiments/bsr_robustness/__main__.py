@@ -2,7 +2,7 @@
 
   python -m experiments.bsr_robustness --workdir=DIR [--preset=tiny|default] [--testbed=TESTBED]
 
-The small-scale reproduction of specs/bsr.md §6 (Hong et al., ICML 2025). Steps:
+The small-scale reproduction of docs/methods/bsr.md (Hong et al., ICML 2025). Steps:
 
 1. ``experiments.preference_testbed.build_testbed(TESTBED, preset["testbed"])`` (TESTBED defaults
    to DIR/testbed; pass a shared build to reuse it): the SFT policy and its gold-scored groups
@@ -361,7 +361,7 @@ def write_plots(wd, exp, arms, curves, refs, agg, results):
 
 def main(argv=None) -> dict:
     exps = presets()
-    p = argparse.ArgumentParser(description="BT vs BT+BSR reward-model robustness (specs/bsr.md §6)")
+    p = argparse.ArgumentParser(description="BT vs BT+BSR reward-model robustness (docs/methods/bsr.md)")
     p.add_argument("--workdir", required=True)
     p.add_argument("--preset", default="default", choices=sorted(exps))
     p.add_argument("--testbed", default="", help="testbed folder (default: WORKDIR/testbed)")

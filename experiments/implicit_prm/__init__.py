@@ -1,1 +1,1 @@
-"""Implicit PRM reproduction on the arithmetic testbed (specs/implicit_prm.md §6); see __main__."""
+"""Implicit PRM reproduction on the arithmetic testbed (docs/methods/implicit_prm.md); see __main__."""

@@ -1,4 +1,4 @@
-"""Implicit PRM on the arithmetic testbed: best-of-N and first-error detection (specs/implicit_prm.md §6).
+"""Implicit PRM on the arithmetic testbed: best-of-N and first-error detection (docs/methods/implicit_prm.md).
 
   python -m experiments.implicit_prm --workdir=DIR [--preset=tiny|default]
 

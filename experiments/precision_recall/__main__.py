@@ -2,7 +2,7 @@
 
   python -m experiments.precision_recall --workdir=runs/pr [--preset=tiny|default] [--steps=N]
 
-Source (specs/precision_recall.md §6): a random mixture of sparse Markov chains over a few letters
+Source (docs/methods/precision_recall.md): a random mixture of sparse Markov chains over a few letters
 (``icml_jax.data.markov_source``) whose distribution P over strings is known exactly and whose
 support is small enough to enumerate. ``n_train`` samples of it are the training corpus
 (``DIR/corpus/train.jsonl``, one string per row, read by the data layer as ``jsonl``).
@@ -404,7 +404,7 @@ def plots(exp, results, workdir):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="NLL + temperature vs PR losses (specs/precision_recall.md §6)")
+    p = argparse.ArgumentParser(description="NLL + temperature vs PR losses (docs/methods/precision_recall.md)")
     p.add_argument("--workdir", required=True)
     p.add_argument("--preset", default="default", choices=sorted(PRESETS))
     p.add_argument("--steps", type=int, default=0, help="override train.steps of the scratch runs")

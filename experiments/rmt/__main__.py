@@ -2,7 +2,7 @@
 
   python -m experiments.rmt --workdir=runs/rmt [--preset=tiny|default] [--seeds=0,1] [--steps=N]
 
-Runs (specs/rmt.md §6), all on the same byte-level Shakespeare tokens in the same order per seed,
+Runs (docs/methods/rmt.md), all on the same byte-level Shakespeare tokens in the same order per seed,
 with the same batch, sequence length, steps, warmup and schedule shape:
 
 * ``transformer``  ``configs/lm.py`` with the spec's tiny transformer shapes (L=4, D=128, 4 heads,
@@ -33,7 +33,7 @@ from icml_jax import xla_env
 from experiments.common import (cached, git_commit, markdown_table, write_atomic, write_csv,
                                 write_json)
 
-# The spec's tiny transformer (§6), GPT-2-like so that only the residual stream differs from the RMT.
+# The tiny transformer of the experiment, GPT-2-like so that only the residual stream differs from the RMT.
 TRANSFORMER = {"model.d_model": 128, "model.num_layers": 4, "model.num_heads": 4,
                "model.num_kv_heads": 4, "model.head_dim": 32, "model.ffn_dim": 512,
                "model.mlp.activation": "gelu_tanh", "model.tie_embeddings": False,
@@ -355,7 +355,7 @@ def markdown(runs, results, exp, meta):
              f"loss = CE (nats/byte) on {t.train.eval_batches} fixed validation batches (the same "
              "tokens for every run). Training FLOPs = tokens × `icml_jax.analysis.flops."
              "train_flops_per_token(..., convention=\"paper\")`, the paper's Table 7 formulas "
-             "(spec §2.3, RMT vocabulary term R·V) for both families; the `exact` convention "
+             "(docs/methods/rmt.md, RMT vocabulary term R·V) for both families; the `exact` convention "
              "(every matmul, causal attention as half) is in the CSV and the last table column.", "",
              "**Parameter matching.** At the spec's shapes the RMT has fewer parameters than the "
              "transformer (it has no 4·D² attention matrices). The main comparison therefore keeps "
@@ -382,7 +382,7 @@ def markdown(runs, results, exp, meta):
                              "per seed", "Δ vs smallest Dk"], sweep_rows(s, exp, fmt)),
              "## Reading", ""]
     lines += reading(s, results, exp)
-    lines += ["", "Paper (specs/rmt.md §6): at 46M–405M parameters and billions of tokens the RMT "
+    lines += ["", "Paper (docs/methods/rmt.md): at 46M–405M parameters and billions of tokens the RMT "
               "matches the transformer's loss with fewer parameters, FLOPs and tokens, and dev loss "
               "falls monotonically with Dk·Dv. These runs train on "
               f"{6.04e9 / tokens:,.0f}× fewer tokens than the paper's 6.04e9 and with "
@@ -454,7 +454,7 @@ def plots(runs, results, exp, workdir):
 
 
 def main(argv=None, compile_cache=False):
-    p = argparse.ArgumentParser(description="RMT vs transformer experiment (specs/rmt.md §6)")
+    p = argparse.ArgumentParser(description="RMT vs transformer experiment (docs/methods/rmt.md)")
     p.add_argument("--workdir", required=True)
     p.add_argument("--preset", default="default", choices=sorted(PRESETS))
     p.add_argument("--seeds", default="", help="comma-separated seeds of the main pair")

@@ -1,4 +1,4 @@
-"""TGDPO vs DPO on the shared sentiment testbed (specs/tgdpo.md §6).
+"""TGDPO vs DPO on the shared sentiment testbed (docs/methods/tgdpo.md).
 
   python -m experiments.tgdpo_vs_dpo --workdir=DIR [--preset=tiny|default] [--testbed=TESTBED_DIR]
 

@@ -1,4 +1,4 @@
-"""TGDPO vs DPO from one SFT start, judged by a gold reward (specs/tgdpo.md §6).
+"""TGDPO vs DPO from one SFT start, judged by a gold reward (docs/methods/tgdpo.md).
 
   python -m experiments.tgdpo_vs_dpo --workdir=DIR [--preset=tiny|default] [--testbed=TESTBED_DIR]
 

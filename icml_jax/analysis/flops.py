@@ -9,7 +9,7 @@ Two conventions, stated once:
   counted. For the RMT the storage / retrieval contractions are matmuls like any other
   (``tests/analysis`` checks both streams against the traced model's dot_generals).
 * **paper** (``convention="paper"``, ``paper_train_flops``): the formulas of the RMT paper
-  (Mak & Flanigan 2025, Table 7; spec ``specs/rmt.md`` §2.3), N = sequence length, per sequence:
+  (Mak & Flanigan 2025, Table 7; ``docs/methods/rmt.md``), N = sequence length, per sequence:
     RMT forward         6N·R·Dk·Dv(1+L) + N·R(4·X + L(4N·Dv + 3N + 4Dv·D_FF)),
                         X = V (``rmt.flops_vocab_term="RV"``, reproduces the paper's totals) or
                         V·Dv (``"RVDv"``, the formula as printed);

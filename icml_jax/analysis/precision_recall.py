@@ -1,4 +1,4 @@
-"""Precision and recall of a model distribution Q against a reference P (specs/precision_recall.md).
+"""Precision and recall of a model distribution Q against a reference P (docs/methods/precision_recall.md).
 
 Axis letters: N outcomes (aligned probability vectors), M reference samples, G generated samples,
 E embedding dimension.
@@ -26,7 +26,7 @@ Estimated, for samples in an embedding space (Le Bronnec et al., ACL 2024; Kynka
 2019): ``knn_precision_recall`` — precision = the share of generated points inside some reference
 point's k-NN ball, recall = the share of reference points inside some generated point's k-NN ball,
 after an optional PCA (fit on the reference set). k and the PCA dimension are arguments: the paper's
-values are unknown (spec §3), so record them with every result.
+values are unknown (docs/methods/precision_recall.md), so record them with every result.
 """
 from __future__ import annotations
 

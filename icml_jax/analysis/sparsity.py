@@ -1,6 +1,6 @@
 """Activation sparsity: CETT, per-layer thresholds, CETT-PPL-p%, baselines and the sparsing laws.
 
-Spec: ``specs/sparsity_cett.md`` (Luo, Song et al., *Sparsing Law*, ICML 2025); reference code
+Method page: ``docs/methods/sparsity_cett.md`` (Luo, Song et al., *Sparsing Law*, ICML 2025); reference code
 ``thunlp/SparsingLaw`` @ a6d9b4c (``src/model_utils.py``, ``src/calc_activation.py``) and the fit
 data ``Raincleared-Song/SparsingLawData`` @ 1cab443 (``calc.py``, ``show.py``).
 

@@ -1,6 +1,6 @@
 """A verifiable multi-step reasoning testbed: K-step integer arithmetic with checkable steps.
 
-The implicit-PRM reproduction (``specs/implicit_prm.md`` §6) needs problems whose solutions are
+The implicit-PRM reproduction (``docs/methods/implicit_prm.md``) needs problems whose solutions are
 written step by step and whose every step can be judged exactly. A small SFT policy is trained on
 ``sft_corpus`` (solutions with ~30% injected arithmetic slips, so that its samples are sometimes
 wrong), samples N responses per problem, and each response is labelled by ``check_solution``'s

@@ -4,10 +4,10 @@ No model is called in here; tasks (``icml_jax/tasks``) run the models and hand t
 
   logps       per-token log-probs under a model's logits (of targets, of a response with the
               prompt/padding masked), the log-normaliser and the z-loss
-  reward      Bradley-Terry reward-model losses and the BSR regulariser (specs/bsr.md)
-  preference  DPO (sigmoid / robust / hinge / IPO) and TGDPO (specs/tgdpo.md)
+  reward      Bradley-Terry reward-model losses and the BSR regulariser (docs/methods/bsr.md)
+  preference  DPO (sigmoid / robust / hinge / IPO) and TGDPO (docs/methods/tgdpo.md)
   implicit_prm  outcome (CE) loss on a log-ratio reward, prefix values and step rewards, scoring
-              (specs/implicit_prm.md)
+              (docs/methods/implicit_prm.md)
 """
 from icml_jax.losses import implicit_prm
 from icml_jax.losses.logps import (log_normalizer, response_token_logps, sequence_logps,

@@ -1,4 +1,4 @@
-"""Implicit process rewards (specs/implicit_prm.md): outcome losses on a log-ratio reward, and step
+"""Implicit process rewards (docs/methods/implicit_prm.md): outcome losses on a log-ratio reward, and step
 rewards read off the same log-ratios.
 
 Axis letters: B responses, T token slots, K steps, G problems, N responses per problem.

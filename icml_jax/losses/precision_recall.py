@@ -1,4 +1,4 @@
-"""Precision-recall token losses for next-token prediction (specs/precision_recall.md).
+"""Precision-recall token losses for next-token prediction (docs/methods/precision_recall.md).
 
 Axis letters: B rows, T token slots, V vocabulary.
 
@@ -21,7 +21,7 @@ Why this form: it is the only member of the PR family that needs nothing but the
 (the conditional-distribution version min(lambda,1) - sum_y min(lambda P_y, q_y) needs the unknown
 P(.|context)); it is the spec's candidate, and it is behind an explicit flag so that it cannot be
 mistaken for the paper's loss. Averaged over the data, E_y[L_lambda] is NOT D_lambda of the
-conditional distributions (spec §2, caveat).
+conditional distributions (docs/methods/precision_recall.md, caveat).
 
 Training notes (measured in experiments/precision_recall):
 

@@ -1,4 +1,4 @@
-"""DPO-family losses and TGDPO (specs/tgdpo.md), with TRL's metric names.
+"""DPO-family losses and TGDPO (docs/methods/tgdpo.md), with TRL's metric names.
 
 Axis letters: B pairs, T token slots (aligned with the tokens, see ``icml_jax/losses/logps.py``).
 

@@ -1,4 +1,4 @@
-"""Bradley-Terry reward-model losses and batch-wise sum-to-zero regularisation (specs/bsr.md).
+"""Bradley-Terry reward-model losses and batch-wise sum-to-zero regularisation (docs/methods/bsr.md).
 
 Axis letters: B pairs in the (micro-)batch, S data shards (devices holding rows of the batch).
 
@@ -13,7 +13,7 @@ Axis letters: B pairs in the (micro-)batch, S data shards (devices holding rows 
     eurus       BT - log sigma(r_w) - log sigma(-r_l)
   + center_coef * (r_w + r_l)^2       (Eisenstein et al.; the reference's line for this raises to
                                        a power without an exponent and cannot run: this is the
-                                       intended squared penalty, spec §2)
+                                       intended squared penalty, docs/methods/bsr.md)
   + BSR: lambda_eff * mean(rewards)^2 (``bsr_penalty``)
 
 all averaged over the pairs. The reference allows one of eurus / BSR / centring per run; here they
@@ -27,7 +27,7 @@ averaged, so the global objective is lambda_eff * mean_s(m_s^2). Under ``jit`` o
 the shards are explicit: the B rows are S contiguous blocks of B/S (the row layout of
 ``icml_jax.sharding.batch_sharding``), so pass ``num_shards`` = S. ``reduce="global"`` uses the
 mean over the whole batch instead (a flag; not the reference). The gradient of the penalty with
-respect to each of the 2*B_dev rewards of a shard is lambda_eff * m_s / B_dev (spec §5.3).
+respect to each of the 2*B_dev rewards of a shard is lambda_eff * m_s / B_dev (docs/methods/bsr.md).
 """
 import jax
 import jax.numpy as jnp

@@ -1,6 +1,7 @@
 """Pure Flax linen model code.
 
-Axis letters used throughout (shapes in names, e.g. ``q_BTGRK``):
+Axis letters used throughout (shapes in names, e.g. ``q_BTGRK``; the table of all letters is in
+docs/architecture.md):
   B batch, T query length, S key length, D model width, H query heads, G kv heads,
   R query heads per kv head (H = G * R), K head dim, F ffn hidden, V vocab, L layers.
 """

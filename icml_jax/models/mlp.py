@@ -9,7 +9,7 @@ numerics. When ``intermediates`` is mutable the MLP also sows ``mlp_gate`` (act(
 activation itself for plain MLPs) and, for GLU variants, ``mlp_up`` (x W_up), for analyses that need
 them separately.
 
-Registered activations (spec ``specs/sparsity_cett.md``; the Sparsing Law paper compares the first
+Registered activations (``docs/methods/sparsity_cett.md``; the Sparsing Law paper compares the first
 two at identical settings):
   ``swiglu``    silu(x W_gate) * (x W_up)           gated   (Llama; HF-exportable)
   ``relu_glu``  relu(x W_gate) * (x W_up)           gated   (ReLU-GLU, the sparse-activation LLM FFN)

@@ -12,7 +12,7 @@ Axis letters: B batch, T query length, S key length, G kv heads, R query heads p
 (query head h = g*R + r), K head dim, N table length (``config.model.max_seq_len``),
 I kept FoPE frequencies (D_in), O FoPE series width (D_out).
 
-FoPE (Hua et al., ICML 2025; spec ``specs/fope.md``) follows the authors' code
+FoPE (Hua et al., ICML 2025; ``docs/methods/fope.md``) follows the authors' code
 (TsinghuaC3I/Fourier-Position-Embedding @ bd94b20, ``olmo/model.py``: ``RotaryEmbedding.get_inv_freq``
 and ``FourierEmbedding``), which we read and checked:
   * floor clipping compares the float32 ladder with ``ratio * 2*pi / L`` (``<`` drops), L is the

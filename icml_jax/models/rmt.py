@@ -1,4 +1,4 @@
-"""Residual Matrix Transformer (Mak & Flanigan, ICML 2025; spec ``specs/rmt.md``): ``residual="rmt"``.
+"""Residual Matrix Transformer (Mak & Flanigan, ICML 2025; ``docs/methods/rmt.md``): ``residual="rmt"``.
 
 Each token's residual is a matrix X [E, K] (an outer-product memory). Layers *store* a data vector
 x [E] under a key s [K] (X += x ⊗ s) and *retrieve* with a key a [K] (x = X a). Attention has R
@@ -38,7 +38,7 @@ the parity fixture ``tests/models/data/rmt_reference.npz``):
     std = init_std / sqrt(fan_in) with fan_in the product of the *actual* input axes, the
     attention-output and FFN store keys additionally × 1/sqrt(2L) (the embedding store key is
     not), the unembedding zero with multiplier output_multiplier / width_ratio(E·R). Norm gains 1.
-  * [spec §2.4 inferred, confirmed]: the optimizer is clip → Adam → per-group lr (peak lr,
+  * [inferred, confirmed]: the optimizer is clip → Adam → per-group lr (peak lr,
     hidden ÷ width ratio) → add 1e-4·θ (masked) → × unit schedule. Width ratios are 1 unless
     base widths are given (``scripts/train.py`` gives none, so as executed the muP lr scaling is a
     no-op); ``rmt.base_*`` set them here. Decay: every hidden kernel (incl. the retrieval / store
@@ -48,7 +48,7 @@ the parity fixture ``tests/models/data/rmt_reference.npz``):
   * Mixed precision: linears in ``config.model.dtype`` (reference bf16), norms and attention in
     fp32, as here.
 
-Paper variants behind flags (spec §4): ``rmt.position="learned"`` (absolute table stored like the
+Paper variants behind flags (docs/methods/rmt.md): ``rmt.position="learned"`` (absolute table stored like the
 token embedding, under the same store keys so the parameter count is the paper's R·E·N; no ALiBi;
 [inferred] sharing the store key), ``rmt.norm="layernorm"`` (mean and variance over all E·K
 entries, elementwise gain, no bias — the paper has no biases), ``rmt.inverse_layer_scaling=False``

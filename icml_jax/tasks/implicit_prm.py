@@ -1,5 +1,5 @@
 """``implicit_prm``: an implicit process reward model trained with the CE objective
-(specs/implicit_prm.md). The DPO objective on (correct, incorrect) pairs of one problem is the
+(docs/methods/implicit_prm.md). The DPO objective on (correct, incorrect) pairs of one problem is the
 ``preference`` task with ``config.loss.type="sigmoid"`` and ``beta=0.05``: one implementation of
 DPO for both papers.
 

@@ -1,4 +1,4 @@
-"""``pr_lm``: next-token LM training with a precision-recall loss (specs/precision_recall.md).
+"""``pr_lm``: next-token LM training with a precision-recall loss (docs/methods/precision_recall.md).
 
 The ``lm`` task (same data, model and batches) with the objective picked by ``config.loss``:
 

@@ -1,4 +1,4 @@
-"""``reward_model``: a Bradley-Terry reward model (+ BSR, specs/bsr.md) trained on preference pairs.
+"""``reward_model``: a Bradley-Terry reward model (+ BSR, docs/methods/bsr.md) trained on preference pairs.
 
 The model is ``icml_jax.models.reward.RewardModel`` (the decoder plus a scalar ``score`` head read
 at the last real token of each sequence); the loss is ``icml_jax.losses.reward_loss`` with the

@@ -1,5 +1,5 @@
 """FLOP / parameter accounting against the real model: initialised params and traced matmuls;
-the RMT and the RMT paper's convention (spec specs/rmt.md §2.3, §5.4): its reported training-FLOP
+the RMT and the RMT paper's convention (docs/methods/rmt.md): its reported training-FLOP
 totals and parameter counts."""
 import flax.linen as nn
 import jax
@@ -109,7 +109,7 @@ def _within(x, want, tol=0.01):
 
 
 def test_paper_training_flops_totals():
-    """§5.4: transformer 1.18e19 and RMT 8.45e18 at 6.04e9 tokens, RMT 4.97e18 at 3.55e9 (N=512)."""
+    """transformer 1.18e19 and RMT 8.45e18 at 6.04e9 tokens, RMT 4.97e18 at 3.55e9 (N=512)."""
     tf, r = _paper_transformer(), _paper_rmt()
     assert _within(flops.paper_train_flops(tf, 512, 6.04e9), 1.18e19)
     assert _within(flops.paper_train_flops(r, 512, 6.04e9), 8.45e18)

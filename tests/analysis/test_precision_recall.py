@@ -1,4 +1,4 @@
-"""Exact PRD / PR-divergence and k-NN precision-recall (specs/precision_recall.md §5.1, 5.2, 5.4)."""
+"""Exact PRD / PR-divergence and k-NN precision-recall (docs/methods/precision_recall.md)."""
 import numpy as np
 import pytest
 

@@ -1,6 +1,6 @@
 """analysis/sparsity: CETT, the reference threshold search (parity), CETT-PPL-p%, baselines, laws.
 
-Property numbers refer to specs/sparsity_cett.md §5."""
+Property numbers refer to docs/methods/sparsity_cett.md"""
 import logging
 import os
 
@@ -47,7 +47,7 @@ def test_neuron_norms_formula():
 
 @pytest.mark.parametrize("maker", [_aligned, _random])
 def test_cett_ends(maker):
-    """§5.1: CETT is 0 below the smallest neuron norm and 1 at (and above) the largest."""
+    """CETT is 0 below the smallest neuron norm and 1 at (and above) the largest."""
     a, w = maker()
     n = np.asarray(S.neuron_output_norms(a, w))
     below = np.nextafter(np.float32(n.min()), np.float32(-1))
@@ -57,7 +57,7 @@ def test_cett_ends(maker):
 
 
 def test_cett_monotone_on_aligned_inputs():
-    """§5.1: with aligned neuron outputs CETT is non-decreasing in t (and equals a norm share)."""
+    """with aligned neuron outputs CETT is non-decreasing in t (and equals a norm share)."""
     a, w = _aligned()
     n = np.asarray(S.neuron_output_norms(a, w))
     ts = np.quantile(n, np.linspace(0, 1, 41))
@@ -80,7 +80,7 @@ def test_cett_need_not_be_monotone():
 @pytest.mark.parametrize("maker", [_aligned, _random])
 @pytest.mark.parametrize("target", [0.05, 0.2, 0.5])
 def test_threshold_brackets_target(maker, target):
-    """§5.2 and the issue's 'tail ratio does not exceed the target': CETT(t*) <= c < CETT(next)."""
+    """The issue's 'tail ratio does not exceed the target': CETT(t*) <= c < CETT(next)."""
     a, w = maker()
     t = S.threshold_for_cett(a, w, target)
     grid = S.LayerStats([(a, w)]).grid_np[0]
@@ -93,7 +93,7 @@ def test_threshold_brackets_target(maker, target):
 
 
 def test_wrap_at_zero_edge(caplog):
-    """§4/§5.2: when even G[0] exceeds c the reference's index -1 wraps to the top of the grid."""
+    """when even G[0] exceeds c the reference's index -1 wraps to the top of the grid."""
     a, w = _random(silu=True)  # SiLU: no exact zeros, so CETT(min n) > 0
     grid = S.LayerStats([(a, w)]).grid_np[0]
     with caplog.at_level(logging.WARNING):
@@ -104,7 +104,7 @@ def test_wrap_at_zero_edge(caplog):
 
 
 def test_activation_ratio_non_increasing_in_c():
-    """§5.3 on monotone inputs; with clamp and c -> 0 the ratio -> 1."""
+    """On monotone inputs; with clamp and c -> 0 the ratio -> 1."""
     a, w = _aligned(N=128, F=64)
     n = np.asarray(S.neuron_output_norms(a, w))
     nz = n > 0
@@ -124,7 +124,7 @@ def test_grid_matches_torch_linspace_formula():
     assert g[0] == np.float32(0.1) and g[-1] == np.float32(2.3)
 
 
-# ----------------------------------------------------------------------------- parity (§5.8)
+# ----------------------------------------------------------------------------- parity
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +163,7 @@ def test_fit_parity_with_released_curves(ref, name):
         assert clean[k] == pytest.approx(v, rel=1e-3, abs=1e-6), (k, clean)
 
 
-# ----------------------------------------------------------------------------- laws (§5.7)
+# ----------------------------------------------------------------------------- laws
 
 
 def test_laws_monotone_and_limit():
@@ -265,7 +265,7 @@ def test_thresholds_tree_layout(tiny_config, scan):
 
 @pytest.mark.parametrize("scan", [False, True])
 def test_sparse_pass_at_zero_is_dense(tiny_config, scan):
-    """§5.4: all thresholds 0 => bit-identical logits; the kept ratio is 1 for SiLU."""
+    """all thresholds 0 => bit-identical logits; the kept ratio is 1 for SiLU."""
     m, params, batch = _model(tiny_config, "swiglu", scan)
     args = batch["inputs"], batch["positions"], batch["segment_ids"]
     dense = _dense_logits(m, params, batch)
@@ -288,7 +288,7 @@ def test_sparse_ratio_matches_threshold_rule(tiny_config, scan):
 
 
 def test_cett_ppl_search_properties(tiny_config):
-    """§5.5: terminates with upper - lower <= tol; rho(lower) < 1 + p/100 <= rho(upper)."""
+    """terminates with upper - lower <= tol; rho(lower) < 1 + p/100 <= rho(upper)."""
     m, params, batch = _model(tiny_config, "relu_glu", init_std=0.3)
     logits = _dense_logits(m, params, batch)
     batch["targets"] = jnp.argmax(logits, -1)  # the dense model is right: sparsity must cost PPL

@@ -1,4 +1,4 @@
-"""Implicit PRM: log-ratio rewards, prefix values, step rewards, CE/DPO and scoring (spec §5)."""
+"""Implicit PRM: log-ratio rewards, prefix values, step rewards, CE/DPO and scoring (docs/methods/implicit_prm.md)."""
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -1,4 +1,4 @@
-"""The candidate precision-recall token loss (specs/precision_recall.md §5.3) and its errors."""
+"""The candidate precision-recall token loss (docs/methods/precision_recall.md) and its errors."""
 import functools
 
 import chex

@@ -1,4 +1,4 @@
-"""DPO and TGDPO losses (specs/tgdpo.md §5) and the per-token log-prob helper."""
+"""DPO and TGDPO losses (docs/methods/tgdpo.md) and the per-token log-prob helper."""
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -44,5 +44,5 @@ def test_reward_losses_match_the_reference_compute_loss(name):
 
 
 def test_the_reference_centring_line_cannot_run():
-    # why center_coef implements the intended squared penalty instead (spec §2, §5.6)
+    # why center_coef implements the intended squared penalty instead (docs/methods/bsr.md)
     assert bool(REF["rm_center_raises"])

@@ -1,4 +1,4 @@
-"""Reward-model losses: Bradley-Terry variants and BSR (specs/bsr.md §5)."""
+"""Reward-model losses: Bradley-Terry variants and BSR (docs/methods/bsr.md)."""
 import chex
 import jax
 import jax.numpy as jnp

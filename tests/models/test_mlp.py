@@ -85,7 +85,7 @@ def _sparse(m, params, x, **variables):
 
 @pytest.mark.parametrize("activation", sorted(FORMULAS))
 def test_threshold_zero_is_dense_bit_for_bit(activation):
-    """§5.4 at the MLP: threshold 0 keeps every neuron and changes no bit."""
+    """At the MLP: threshold 0 keeps every neuron and changes no bit."""
     m, params, x = _mlp(activation)
     y, _ = m.apply({"params": params}, x)
     ys, _, keep = _sparse(m, params, x, threshold=jnp.float32(0))
@@ -95,7 +95,7 @@ def test_threshold_zero_is_dense_bit_for_bit(activation):
 
 @pytest.mark.parametrize("compare", ["lt", "le"])
 def test_zeroing_rule_equivalence(compare):
-    """§5.6: |a_j| < t / ||w_j|| <=> n_j < t, and the output is W_down applied to the kept acts.
+    """|a_j| < t / ||w_j|| <=> n_j < t, and the output is W_down applied to the kept acts.
     ``sparse_compare="le"`` zeroes ties too."""
     m, params, x = _mlp("swiglu", compare)
     _, acts = m.apply({"params": params}, x)

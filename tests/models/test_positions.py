@@ -2,8 +2,8 @@
 
 FoPE numerics are checked two ways: against outputs of the authors' own module (run once, stored in
 ``data/fope_reference.npz``; how: ``data/make_fope_reference.py``) and against an independent
-PyTorch re-implementation of the formula in specs/fope.md §2 (torch einsum + F.pad + cat), both at
-fp32 tolerance 1e-5. Then the spec's property tests (§5), RoPE relative-position invariance, ALiBi
+PyTorch re-implementation of the formula in docs/methods/fope.md (torch einsum + F.pad + cat), both at
+fp32 tolerance 1e-5. Then the spec's property tests, RoPE relative-position invariance, ALiBi
 slopes, packed rows and KV-cache decoding at an offset for all four, and the error messages.
 """
 import functools
@@ -97,7 +97,7 @@ def test_fope_matches_reference_module_outputs(case):
 
 
 def _torch_fope(x_BHTK, pos_T, omega, sin_HIO, cos_HIO, pad_sin=1.0):
-    """Independent re-implementation of specs/fope.md §2, steps 6-8, in PyTorch."""
+    """Independent re-implementation of docs/methods/fope.md, steps 6-8, in PyTorch."""
     import torch
     import torch.nn.functional as F
     x = torch.from_numpy(x_BHTK)
@@ -128,7 +128,7 @@ def test_fope_matches_torch_reimplementation_with_gqa_and_packing(pad):
     np.testing.assert_allclose(np.asarray(q[:, :, :, 0]), want.transpose(0, 2, 1, 3), atol=1e-5)
 
 
-# ----------------------------------------------------------------------------- spec §5 properties
+# ----------------------------------------------------------------------------- properties
 
 def _eye_coefs(cfg):
     _, d_in, d_out = P.fope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.train_seq_len)

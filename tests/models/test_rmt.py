@@ -1,4 +1,4 @@
-"""Residual Matrix Transformer (icml_jax/models/rmt.py; spec specs/rmt.md §5): parity against the
+"""Residual Matrix Transformer (icml_jax/models/rmt.py; docs/methods/rmt.md): parity against the
 authors' code, zero logits at init, causality, ALiBi, flag equivalence, variance propagation,
 parameter counts, KV-cache decoding, muP optimizer groups, z-loss, sharding on 8 fake devices."""
 import functools
@@ -69,7 +69,7 @@ def _forward(m):
     return jax.jit(lambda p, *inputs: model.apply({"params": p}, *inputs))
 
 
-# ----------------------------------------------------------------------------- parity (§5.8)
+# ----------------------------------------------------------------------------- parity
 
 def _reference_params(ref, m):
     """Our param tree from the reference's weights (their layout: input axes, then output axes)."""
@@ -148,7 +148,7 @@ class RMTForwardTest(chex.TestCase):
 
     @chex.variants(with_jit=True, without_jit=True)
     def test_shapes_dtype_and_zero_logits_at_init(self):
-        """§5.1: muP init has a zero unembedding, so logits are exactly 0 and CE = log V."""
+        """muP init has a zero unembedding, so logits are exactly 0 and CE = log V."""
         for qz in (False, True):
             m = _cfg(rmt=dict(query_zero_init=qz)).model
             model, params, tokens = _init(m)
@@ -180,7 +180,7 @@ def test_every_leaf_has_logical_axes():
 
 
 def test_causality():
-    """§5.5: changing token t+1 leaves logits at positions <= t unchanged, and changes later ones."""
+    """changing token t+1 leaves logits at positions <= t unchanged, and changes later ones."""
     m = _cfg().model
     _, params, tokens = _init(m, B=1, T=10)
     params = _randomise(params)
@@ -213,7 +213,7 @@ def test_packed_documents_are_isolated():
                                    dict(param="lecun"), dict(inverse_layer_scaling=False)])
 @pytest.mark.parametrize("activation", ["gelu_tanh", "swiglu"])
 def test_param_count_matches_initialised_model(flags, activation):
-    """§5.2: the exact count equals the initialised tree under the flags and MLP kinds."""
+    """the exact count equals the initialised tree under the flags and MLP kinds."""
     c = _cfg(rmt=dict(flags))
     c.model.mlp.activation = activation
     shapes = jax.eval_shape(build_model(c.model).init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
@@ -221,7 +221,7 @@ def test_param_count_matches_initialised_model(flags, activation):
 
 
 def test_param_count_depends_on_key_dim_only_through_key_terms():
-    """§5.2: ΔParams/ΔDk = 2R(3L+1) + (2L+1)·Dv (retrieval/storage keys + norm gains)."""
+    """ΔParams/ΔDk = 2R(3L+1) + (2L+1)·Dv (retrieval/storage keys + norm gains)."""
     c = load_config("configs/rmt.py:small", unlocked=True).model
     L, R, E = c.num_layers, c.num_heads, c.head_dim
     counts = {}
@@ -278,7 +278,7 @@ def _attend_fn(m):
 
 
 def test_alibi_slopes_and_bias():
-    """§5.6: m_r = 2^(-8(r+1)/R) (the reference's geomspace); with q = 0 the attention weights
+    """m_r = 2^(-8(r+1)/R) (the reference's geomspace); with q = 0 the attention weights
     are softmax(-m_r (t - s)) over s <= t, i.e. the bias is 0 on the diagonal."""
     for R in (1, 2, 3, 8, 12):
         np.testing.assert_allclose(rmt.alibi_slopes(R), 2.0 ** (-8 * np.arange(1, R + 1) / R), rtol=1e-6)
@@ -297,7 +297,7 @@ def test_alibi_slopes_and_bias():
 
 
 def test_inverse_layer_scaling_flag_equivalence():
-    """§5.7: with inverse scaling off, layer ℓ's q·k logits are (ℓ+1)x those with it on."""
+    """with inverse scaling off, layer ℓ's q·k logits are (ℓ+1)x those with it on."""
     on = _cfg().model
     off = _cfg(rmt=dict(inverse_layer_scaling=False)).model
     ks = jax.random.split(jax.random.key(0), 3)
@@ -311,7 +311,7 @@ def test_inverse_layer_scaling_flag_equivalence():
 
 
 def test_variance_propagation_at_init():
-    """§5.3 (paper Table 1), Monte Carlo: storage Var = R σ_w²(σ² + μ²), retrieval
+    """Paper Table 1, Monte Carlo: storage Var = R σ_w²(σ² + μ²), retrieval
     Var = Dk σ_w²(σ² + μ²), means 0."""
     R, K, E, n = 8, 16, 4, 4000
     sw, mu, sd = 0.3, 0.5, 1.5

@@ -1,7 +1,7 @@
 """How ``rmt_reference.npz`` was made (run once, by hand; not part of the test suite).
 
 It runs the authors' RMT (``RMTModel`` in ``src/models/rmt/`` of bmac3/residual-matrix-transformer
-at commit 1afac0c; their code is NOT in this repository) on the spec's §5.8 parity config and
+at commit 1afac0c; their code is NOT in this repository) on the parity config below and
 dumps inputs, weights and outputs:
 
     git --git-dir=<mirror of that repo> archive HEAD src | tar -x -C /tmp/rmt_ref
@@ -18,7 +18,7 @@ NamedArray lacks, and its result is discarded anyway (``qkv_linear.set`` returns
 is never assigned), so skipping it changes nothing — ``init_query_absmax`` shows the query slice
 is random at init either way.)
 
-Config (spec §5.8): V = 7, L = 2, R = 2, Dv = 4, Dk = 3, N_ff = 6, float64 throughout
+Config: V = 7, L = 2, R = 2, Dv = 4, Dk = 3, N_ff = 6, float64 throughout
 (``jax_enable_x64``, full_dtype = half_dtype = float64), reference defaults otherwise (ALiBi,
 RMSNorm eps 1e-6, logits / (layer+1), muP multipliers 1). Every array leaf of the model — the
 query slice and the unembedding included — is overwritten with 0.5·N(0, 1) (norm gains with
