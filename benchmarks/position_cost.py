@@ -10,7 +10,8 @@ For every method it builds the trainer's own jitted, donated step (``create_shar
 All four steps are compiled first; then ``--rounds`` rounds each time ``--steps`` steps of every
 method in turn (interleaved, so a load change on a shared machine hits all methods alike). The
 step time is the minimum over all timed steps (median reported too) and the ratio is against RoPE.
-The XLA CPU flags are ``icml_jax.xla_env.use_default_flags()``'s, appended to any XLA_FLAGS set. Results: benchmarks/results/position_cost.{json,md} (written atomically).
+The XLA CPU flags are ``icml_jax.xla_env.use_default_flags()``'s, appended to any XLA_FLAGS set.
+Results: benchmarks/results/position_cost.{json,md} (written atomically).
 """
 import argparse
 import datetime
@@ -47,7 +48,7 @@ def build_step(preset: str, position: str, batch: int):
             "positions": np.broadcast_to(np.arange(T, dtype=np.int32), (batch, T)).copy()}
     task = TASKS.get("lm")(config)
     mesh, rules = mesh_lib.make_mesh(config.mesh), mesh_lib.logical_rules(config.mesh)
-    tx = make_optimizer(config.train, config.model)
+    tx = make_optimizer(config.train, model_cfg=config.model)
     state, shardings = create_sharded_state(task, tx, config, mesh, rules)
     bs = mesh_lib.batch_sharding(mesh)
     data = jax.device_put({k: jnp.asarray(v) for k, v in data.items()}, bs)

@@ -59,6 +59,7 @@ import time
 import zlib
 
 from experiments.common import cached, digest, flatten_overrides, write_json
+from icml_jax import xla_env
 
 # Parts: name -> (prompt pool, slice of the pool, temperature key, responses key). Parts sharing
 # (pool, slice) share their prompts.
@@ -256,6 +257,7 @@ def build_testbed(workdir: str, preset_cfg: dict) -> dict:
 
 
 def main(argv=None) -> dict:
+    xla_env.use_default_flags()  # before the first JAX computation (kept if set)
     p = argparse.ArgumentParser(description="build the shared preference testbed (VADER gold)")
     p.add_argument("--workdir", required=True)
     p.add_argument("--preset", default="default", choices=sorted(PRESETS))
@@ -272,11 +274,6 @@ def main(argv=None) -> dict:
               f"{s['frac_constant_groups']:.2f}  ({out['seconds'][name]:.1f} s)")
     return out
 
-
-if __name__ == "__main__":
-    if "XLA_FLAGS" not in os.environ:  # faster CPU dots (see benchmarks/train_throughput.py)
-        os.environ["XLA_FLAGS"] = "--xla_cpu_experimental_ynn_fusion_type="
-    main(sys.argv[1:])
 
 
 def sample_groups(model, params, tokenizer, prompts, n_per_prompt: int, temperature: float,
@@ -296,3 +293,7 @@ def sample_groups(model, params, tokenizer, prompts, n_per_prompt: int, temperat
     return [{"prompt": p, "responses": texts[i * k:(i + 1) * k],
              "gold": [float(g) for g in gold[i * k:(i + 1) * k]], "temperature": float(temperature)}
             for i, p in enumerate(prompts)]
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

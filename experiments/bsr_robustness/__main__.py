@@ -37,9 +37,9 @@ import os
 import sys
 import time
 
-from icml_jax import xla_env
 from experiments.common import (cached, digest, save_figure, git_commit, markdown_table, write_atomic,
                                 write_csv, write_json)
+from icml_jax import xla_env
 
 SPLITS = ("val_in", "val_prompt_ood", "val_response_ood", "val_both_ood")
 OOD_SPLITS = SPLITS[1:]
@@ -360,6 +360,7 @@ def write_plots(wd, exp, arms, curves, refs, agg, results):
 
 
 def main(argv=None) -> dict:
+    xla_env.use_default_flags()  # before the first JAX computation (kept if set)
     exps = presets()
     p = argparse.ArgumentParser(description="BT vs BT+BSR reward-model robustness (docs/methods/bsr.md)")
     p.add_argument("--workdir", required=True)
@@ -502,5 +503,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    xla_env.use_default_flags()  # before the first JAX computation
     main(sys.argv[1:])

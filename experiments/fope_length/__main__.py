@@ -25,8 +25,8 @@ import os
 import sys
 import time
 
-from icml_jax import xla_env
 from experiments.common import git_commit, write_atomic, write_csv
+from icml_jax import xla_env
 
 PRESETS = {
     # seeds, ppl token budget (multiple of 8L), passkey depths and trials per cell, and the share of
@@ -238,6 +238,7 @@ def plots(stats, methods, L, exp, workdir):
 
 
 def main(argv=None):
+    xla_env.use_default_flags()  # before the first JAX computation (kept if set)
     p = argparse.ArgumentParser(description="FoPE length-generalisation experiment")
     p.add_argument("--workdir", required=True)
     p.add_argument("--preset", default="default", choices=sorted(PRESETS))
@@ -303,5 +304,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    xla_env.use_default_flags()  # before the first JAX computation
     main()

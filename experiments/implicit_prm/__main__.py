@@ -46,10 +46,10 @@ import os
 import sys
 import time
 
-from icml_jax import xla_env
 from experiments.common import train_run as common_train_run
 from experiments.common import (FrozenPolicy, save_figure, cached, digest, flatten_overrides, git_commit,
                                 markdown_table, write_atomic, write_csv, write_json)
+from icml_jax import xla_env
 
 _QUIET = {"train.samples": 0, "train.progress": False, "train.async_checkpoint": False}
 _MODEL_TINY = {"model.d_model": 32, "model.num_layers": 2, "model.num_heads": 4,
@@ -671,6 +671,7 @@ def run(exp, workdir, timing):
 
 
 def main(argv=None):
+    xla_env.use_default_flags()  # before the first JAX computation (kept if set)
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(description="Implicit PRM on the arithmetic testbed")
     p.add_argument("--workdir", required=True)
@@ -697,5 +698,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    xla_env.use_default_flags()  # before the first JAX computation
     main()

@@ -41,9 +41,9 @@ import os
 import sys
 import time
 
-from icml_jax import xla_env
 from experiments.common import (cached, git_commit, markdown_table, write_atomic, write_csv,
                                 write_json)
+from icml_jax import xla_env
 
 PRD_LAMBDAS = (0.1, 1.0, 10.0)
 
@@ -404,6 +404,7 @@ def plots(exp, results, workdir):
 
 
 def main(argv=None):
+    xla_env.use_default_flags()  # before the first JAX computation (kept if set)
     p = argparse.ArgumentParser(description="NLL + temperature vs PR losses (docs/methods/precision_recall.md)")
     p.add_argument("--workdir", required=True)
     p.add_argument("--preset", default="default", choices=sorted(PRESETS))
@@ -460,5 +461,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    xla_env.use_default_flags()  # before the first JAX computation
     main()

@@ -29,9 +29,9 @@ import os
 import sys
 import time
 
-from icml_jax import xla_env
 from experiments.common import (cached, git_commit, markdown_table, write_atomic, write_csv,
                                 write_json)
+from icml_jax import xla_env
 
 # The tiny transformer of the experiment, GPT-2-like so that only the residual stream differs from the RMT.
 TRANSFORMER = {"model.d_model": 128, "model.num_layers": 4, "model.num_heads": 4,
@@ -454,6 +454,7 @@ def plots(runs, results, exp, workdir):
 
 
 def main(argv=None, compile_cache=False):
+    xla_env.use_default_flags()  # before the first JAX computation (kept if set)
     p = argparse.ArgumentParser(description="RMT vs transformer experiment (docs/methods/rmt.md)")
     p.add_argument("--workdir", required=True)
     p.add_argument("--preset", default="default", choices=sorted(PRESETS))
@@ -511,5 +512,4 @@ def enable_compilation_cache(path):
 
 
 if __name__ == "__main__":
-    xla_env.use_default_flags()  # before the first JAX computation
     main(compile_cache=True)

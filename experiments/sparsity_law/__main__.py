@@ -33,8 +33,8 @@ import os
 import sys
 import time
 
-from icml_jax import xla_env
 from experiments.common import cached, git_commit, markdown_table, write_atomic, write_csv, write_json
+from icml_jax import xla_env
 
 PRESETS = {
     # evaluated checkpoints, CETT slice, dense-PPL slice, CETT-PPL-p% settings
@@ -343,6 +343,7 @@ def plots(rows, fits, workdir) -> None:
 
 
 def main(argv=None):
+    xla_env.use_default_flags()  # before the first JAX computation (kept if set)
     p = argparse.ArgumentParser(description="Sparsing Law: activation ratio vs tokens, ReLU-GLU vs SiLU-GLU")
     p.add_argument("--workdir", required=True)
     p.add_argument("--preset", default="default", choices=sorted(PRESETS))
@@ -411,5 +412,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    xla_env.use_default_flags()  # before the first JAX computation
     main()

@@ -47,11 +47,11 @@ import os
 import sys
 import time
 
-from icml_jax import xla_env
 from experiments import preference_testbed
 from experiments.common import train_run as common_train_run
 from experiments.common import (FrozenPolicy, save_figure, cached, digest, flatten_overrides, git_commit,
                                 markdown_table, write_atomic, write_csv, write_json)
+from icml_jax import xla_env
 
 PRESETS = {
     "tiny": dict(
@@ -568,6 +568,7 @@ def write_outputs(workdir, exp, preset, argv, tb, pairs, results, seconds, ta):
 
 
 def main(argv=None):
+    xla_env.use_default_flags()  # before the first JAX computation (kept if set)
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(description="TGDPO vs DPO on the sentiment testbed")
     p.add_argument("--workdir", required=True)
@@ -616,5 +617,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    xla_env.use_default_flags()  # before the first JAX computation
     main()

@@ -5,6 +5,7 @@ trainer and the optimizer call these two functions and never name a method.
 """
 from typing import Callable, NamedTuple
 
+import jax
 import ml_collections
 
 from icml_jax.models import rmt as _rmt  # noqa: F401  registers residual="rmt"
@@ -34,6 +35,10 @@ def optimizer_spec(m: ml_collections.ConfigDict) -> OptimizerSpec:
     """The frozen leaves (the position embedding's) and optimizer groups (the stream's)."""
     stream = RESIDUALS.get(m.residual)
     groups = stream.optimizer_groups(m) if stream.optimizer_groups is not None else None
-    return OptimizerSpec(frozen_mask=lambda params: frozen_param_mask(m, params),
+    if stream.reads_position:
+        frozen = lambda params: frozen_param_mask(m, params)  # noqa: E731
+    else:  # the stream owns its positions: nothing of config.model.position is in its params
+        frozen = lambda params: jax.tree.map(lambda _: False, params)  # noqa: E731
+    return OptimizerSpec(frozen_mask=frozen,
                          lr_multipliers=groups.lr_multipliers if groups is not None else None,
                          decay_mask=groups.decay_mask if groups is not None else None)

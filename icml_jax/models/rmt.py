@@ -98,6 +98,12 @@ def validate(c: ml_collections.ConfigDict) -> None:
             raise ValueError(f"unknown config.model.rmt.{key}={val!r}; choose one of {list(ok)}")
     if r.key_dim <= 0:
         raise ValueError(f"config.model.rmt.key_dim must be positive, got {r.key_dim}")
+
+
+def validate_for_training(c: ml_collections.ConfigDict) -> None:
+    """``validate`` plus settings a new run must not carry (checked when training starts, not
+    when a finished run's model is built for sampling or analysis)."""
+    validate(c)
     if c.get("position", "rope") not in ("rope", "alibi"):  # rope: the base config's default
         raise ValueError(f"residual='rmt' takes its positions from config.model.rmt.position "
                          f"(alibi|learned), so config.model.position={c.position!r} would be "
@@ -417,5 +423,6 @@ def _paper_forward_flops(m: ml_collections.ConfigDict, seq_len: int) -> float:
 
 RESIDUALS.register("rmt")(Stream(
     RMTIO, RMTBlock, param_count=rmt_param_count, train_flops_per_token=rmt_train_flops_per_token,
-    paper_forward_flops=_paper_forward_flops, optimizer_groups=optimizer_groups, validate=validate,
+    paper_forward_flops=_paper_forward_flops, optimizer_groups=optimizer_groups,
+    validate=validate_for_training,
     reads_position=False))

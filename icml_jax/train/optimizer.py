@@ -44,7 +44,7 @@ def _decay_mask(params):
     return jax.tree.map(lambda p: p.ndim >= 2, params)
 
 
-def make_optimizer(t: ml_collections.ConfigDict,
+def make_optimizer(t: ml_collections.ConfigDict, *,
                    model_cfg: ml_collections.ConfigDict = None) -> optax.GradientTransformation:
     """The optimizer of ``t`` (``config.train``); ``model_cfg`` (``config.model``) adds the
     model's frozen leaves and optimizer groups. Without it: AdamW, decay on matrices, nothing

@@ -1,6 +1,4 @@
-"""analysis/sparsity: CETT, the reference threshold search (parity), CETT-PPL-p%, baselines, laws.
-
-Property numbers refer to docs/methods/sparsity_cett.md"""
+"""analysis/sparsity: CETT, the reference threshold search (parity), CETT-PPL-p%, baselines, laws (docs/methods/sparsity_cett.md)."""
 import logging
 import os
 

@@ -71,7 +71,7 @@ def test_a_new_entry_reaches_optimizer_validation_and_counts(registered):
     params = {"a": {"kernel": jnp.ones((2, 2))}, "b": {"bias": jnp.ones((2,))}}
     assert jax.tree.leaves(contract.optimizer_spec(c.model).frozen_mask(params)) == [True, False]
     c.train.weight_decay, c.train.warmup_steps = 0.5, 0
-    tx = make_optimizer(c.train, c.model)
+    tx = make_optimizer(c.train, model_cfg=c.model)
     grads = jax.tree.map(jnp.ones_like, params)
     updates, _ = tx.update(grads, tx.init(params), params)
     np.testing.assert_array_equal(updates["a"]["kernel"], 0.0)  # frozen: no update, no decay

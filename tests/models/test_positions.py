@@ -97,7 +97,7 @@ def test_fope_matches_reference_module_outputs(case):
 
 
 def _torch_fope(x_BHTK, pos_T, omega, sin_HIO, cos_HIO, pad_sin=1.0):
-    """Independent re-implementation of docs/methods/fope.md, steps 6-8, in PyTorch."""
+    """Independent re-implementation in PyTorch of FoPE's tables and rotation (docs/methods/fope.md)."""
     import torch
     import torch.nn.functional as F
     x = torch.from_numpy(x_BHTK)
@@ -250,7 +250,7 @@ def test_fope_gradient_and_optimizer_freeze(learnable):
     tok = jax.random.randint(jax.random.key(0), (2, 16), 0, 200)
     params = _init_params(model, tok, 1)
     c.train.weight_decay = 0.5
-    tx = make_optimizer(c.train, c.model)
+    tx = make_optimizer(c.train, model_cfg=c.model)
 
     @jax.jit
     def step(p, st):  # also returns the gradient at p: one compiled program for both checks
