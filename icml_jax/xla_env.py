@@ -5,9 +5,11 @@
 The one flag today is for the CPU backend (GPU/TPU backends ignore ``xla_cpu_*`` flags): with
 jax 0.10.2's defaults, the dots of our train step go through YNNPACK fusions, which ran
 single-threaded when the cores were shared (the flag then made the train step 1.9x faster); an
-empty fusion list sends them to XLA's multi-threaded matmuls. On an idle 2-core machine the gain is
-small (+4% train tokens/s; decoding at batch 8 was ~20% slower with it in one run), see
-``benchmarks/results/train_throughput.md`` and ``decode_speed.md``. Losses are identical.
+empty fusion list sends them to XLA's multi-threaded matmuls. Without shared cores the effect is
+within run-to-run noise: two back-to-back runs of ``benchmarks.train_throughput`` on 2026-12-02
+(2-core AMD EPYC) gave jax's defaults 0.78x and 1.12x the flag's tokens/s on the ``small`` preset
+and 0.97x and 1.08x on ``20m``. (Before this module, ``import icml_jax`` set the flag, so that
+benchmark's "default flags" arm had it too.) Losses are identical.
 """
 from __future__ import annotations
 

@@ -88,9 +88,11 @@ class Checkpointer:
     def all_steps(self):
         return sorted(self.manager.all_steps())
 
-    def restore_latest(self, abstract_state, data_iter, set_aside: bool = True):
+    def restore_latest(self, abstract_state, data_iter, set_aside: bool = True, older=()):
         """Restores the newest readable step into ``abstract_state`` (ShapeDtypeStructs with
         shardings) and ``data_iter``; returns (state, step), or (None, 0) without checkpoints.
+        ``older``: functions ``abstract_state -> (target, convert)`` for layouts earlier versions
+        wrote; a step whose tree fits ``target`` instead is restored into it and converted.
 
         A step is set aside (``corrupt_<step>_<time>``, never deleted) only when it is unreadable
         on its own terms: a file differs from its recorded checksum (or is missing), or its
@@ -120,7 +122,13 @@ class Checkpointer:
                 self._raise_if_environment(e, path, force=sealed)
                 self._set_aside(step, f"{type(e).__name__}: {str(e)[:300]}", set_aside)
                 continue
+            target, convert = abstract_state, None
             differences = tree_differences(saved, abstract_state)
+            for layout in older if differences else ():
+                alt, alt_convert = layout(abstract_state)
+                if not tree_differences(saved, alt):
+                    target, convert, differences = alt, alt_convert, []
+                    break
             if differences:
                 raise CheckpointMismatchError(
                     f"{path} holds a train state of another structure than this config builds "
@@ -128,7 +136,7 @@ class Checkpointer:
                     "wrote it, or train elsewhere (another --workdir, or "
                     "--config.train.start_over=True to move this run aside)")
             try:
-                args = {"state": ocp.args.StandardRestore(abstract_state)}
+                args = {"state": ocp.args.StandardRestore(target)}
                 json_data = os.path.isdir(os.path.join(path, "data_state"))
                 if data_iter is not None:
                     args["data_state" if json_data else "data"] = (
@@ -149,7 +157,8 @@ class Checkpointer:
                                     set_aside)
                     continue
                 data_iter.set_state(restored["data_state"]["iterator"])
-            return restored["state"], step
+            state = restored["state"]
+            return (convert(state) if convert is not None else state), step
         if steps:
             raise CheckpointError(
                 f"none of the checkpoints {steps} in {self.directory} could be restored; "

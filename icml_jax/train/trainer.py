@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
 from icml_jax import sharding as mesh_lib
@@ -38,7 +39,24 @@ class TrainState:
     step: jax.Array  # int32 scalar: number of completed updates
     params: dict
     opt_state: optax.OptState
-    rng: jax.Array  # uint32 key data, advanced every step
+
+
+@flax.struct.dataclass
+class _TrainStateWithKey:
+    """The train state as checkpoints written before 2026-12-02 hold it: with a PRNG key (uint32
+    key data) that the step advanced and nothing read. Such steps restore through this layout."""
+    step: jax.Array
+    params: dict
+    opt_state: optax.OptState
+    rng: jax.Array
+
+
+def _with_key_layout(abstract: TrainState):
+    """(restore target of the older layout, its conversion to ``TrainState``)."""
+    sharding = jax.tree.leaves(abstract.params)[0].sharding
+    key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=NamedSharding(sharding.mesh, P()))
+    return (_TrainStateWithKey(abstract.step, abstract.params, abstract.opt_state, key),
+            lambda s: TrainState(s.step, s.params, s.opt_state))
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -139,7 +157,6 @@ def make_train_step(task, tx, grad_accum: int, schedule=None):
         grads = jax.tree.map(lambda g: g / denom, gsum)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        rng = jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state.rng))[0])
         grad_norm = optax.global_norm(grads)
         # 1 when the state this step commits is usable: the host stops before saving otherwise
         finite = jnp.isfinite(grad_norm) & jnp.isfinite(lsum) & jnp.all(jnp.stack(
@@ -149,7 +166,7 @@ def make_train_step(task, tx, grad_accum: int, schedule=None):
         metrics.update({k: v / denom for k, v in msums.items()})
         if schedule is not None:
             metrics["lr"] = schedule(state.step)
-        return TrainState(state.step + 1, params, opt_state, rng), metrics
+        return TrainState(state.step + 1, params, opt_state), metrics
 
     return step_fn
 
@@ -187,12 +204,11 @@ def _state_init(task, tx, config, mesh, rules):
     ``mesh``."""
     c = config
     dummy = task.dummy_batch(1, c.data.seq_len)
-    init_rng, state_rng = jax.random.split(jax.random.key(c.seed))
+    init_rng = jax.random.split(jax.random.key(c.seed))[0]  # the params' key since the start
 
     def init_boxed(rng):
         params = task.init_params(rng, dummy)
-        return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params),
-                          jax.random.key_data(state_rng))
+        return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
 
     with mesh, nn.logical_axis_rules(rules):
         boxed = jax.eval_shape(init_boxed, init_rng)
@@ -412,7 +428,7 @@ def _train(config, workdir: str, task, shape, stop: _StopOnSignal) -> dict:
                                  checksums=t.get("checkpoint_checksums", True))
     log = (lambda *a: print(*a, flush=True)) if is_main else (lambda *a: None)
     try:  # a refused restore or init_from closes the manager before the error goes up
-        restored, start = ckpt.restore_latest(abstract, data_iter)
+        restored, start = ckpt.restore_latest(abstract, data_iter, older=(_with_key_layout,))
         if restored is not None:
             state = restored
             log(f"Resumed from {ckpt.directory}/{start}")
@@ -566,7 +582,8 @@ def load_state(config: ml_collections.ConfigDict, workdir: str, devices=None):
         raise ckpt_lib.CheckpointError(error)
     ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=10**9, async_save=False)
     try:
-        state, step = ckpt.restore_latest(abstract, None, set_aside=False)
+        state, step = ckpt.restore_latest(abstract, None, set_aside=False,
+                                          older=(_with_key_layout,))
     finally:
         ckpt.close()
     if state is None:

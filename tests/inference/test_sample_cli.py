@@ -14,7 +14,7 @@ from icml_jax.config_utils import REPO_ROOT, load_config
 from icml_jax.models.decoder import build_model
 from icml_jax.train import checkpoint as ckpt_lib
 from icml_jax.train.optimizer import make_optimizer
-from icml_jax.train.trainer import TrainState, _config_dict
+from icml_jax.train.trainer import TrainState, _TrainStateWithKey, _config_dict
 
 # the module's workdir fixture is built once, on one xdist worker
 pytestmark = pytest.mark.xdist_group("sample_cli_workdir")
@@ -45,8 +45,11 @@ def workdir(tmp_path_factory):
         key, jnp.zeros((1, 8), jnp.int32))["params"]))  # unboxed, as the trainer stores them
     for step in (1, 2):
         params = init(jax.random.key(step))
-        state = TrainState(jnp.asarray(step, jnp.int32), params, tx.init(params),
-                           jax.random.key_data(jax.random.key(0)))
+        if step == 1:  # the layout of checkpoints written before 2026-12-02 (with a PRNG key)
+            state = _TrainStateWithKey(jnp.asarray(step, jnp.int32), params, tx.init(params),
+                                       jax.random.key_data(jax.random.key(0)))
+        else:
+            state = TrainState(jnp.asarray(step, jnp.int32), params, tx.init(params))
         ckpt.save(step, state, None, _config_dict(config))
     ckpt.close()
     return wd

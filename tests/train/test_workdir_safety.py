@@ -137,6 +137,43 @@ def test_changed_state_or_data_keys_are_refused(stopped, data_dir, override, key
     assert _snapshot(stopped) == before
 
 
+def test_a_step_with_the_older_prng_key_resumes_exactly(stopped, reference, data_dir, tiny_config):
+    """Checkpoints written while the train state still held a PRNG key (advanced, never read)
+    restore through that layout and resume the run exactly; without the layout the restore names
+    the leaf."""
+    import orbax.checkpoint as ocp
+    c = tiny_config
+    tx = make_optimizer(c.train, model_cfg=c.model)
+    mesh, rules = mesh_lib.make_mesh(c.mesh), mesh_lib.logical_rules(c.mesh)
+    abstract = trainer.abstract_state(tasks.TASKS.get("lm")(c), tx, c, mesh, rules)
+    ckpt = ckpt_lib.Checkpointer(str(stopped / "checkpoints"), async_save=False)
+    try:
+        state, step = ckpt.restore_latest(abstract, None)
+        items = ckpt.manager.restore(step, args=ocp.args.Composite(
+            data_state=ocp.args.JsonRestore(), config=ocp.args.JsonRestore()))
+    finally:
+        ckpt.close()
+    assert step == 10
+    shutil.rmtree(stopped / "checkpoints" / "10")  # rewritten as an older run wrote it
+    old = trainer._TrainStateWithKey(state.step, state.params, state.opt_state,
+                                     jnp.asarray([0, 7], jnp.uint32))
+    manager = ocp.CheckpointManager(str(stopped / "checkpoints"), item_handlers={
+        "state": ocp.StandardCheckpointHandler(), "data_state": ocp.JsonCheckpointHandler(),
+        "config": ocp.JsonCheckpointHandler()})
+    manager.save(10, args=ocp.args.Composite(state=ocp.args.StandardSave(old),
+                                             data_state=ocp.args.JsonSave(items["data_state"]),
+                                             config=ocp.args.JsonSave(items["config"])))
+    manager.wait_until_finished()
+    manager.close()
+    ckpt = ckpt_lib.Checkpointer(str(stopped / "checkpoints"), async_save=False)
+    try:
+        with pytest.raises(ckpt_lib.CheckpointMismatchError, match=r"in the checkpoint but not in this model: rng"):
+            ckpt.restore_latest(abstract, None)
+    finally:
+        ckpt.close()
+    _resume_matches(stopped, reference, data_dir, start=10)
+
+
 def test_structure_mismatch_found_by_the_checkpoint_itself(stopped, tiny_config):
     """Even with no config to compare, a checkpoint of another tree stops the restore by name
     (not "corrupt"); a permission error also moves nothing."""
