@@ -139,6 +139,24 @@ def _jit_cett(a, w, t):
     return _cett_at(a, w, _norms(a, w), _dense_out_norm(a, w), t)
 
 
+def kept_neurons(acts_NF, w_down_FD, threshold: float, compare: str = "lt") -> np.ndarray:
+    """bool [N, F]: the neurons a CETT threshold t keeps, by the rule the MLP applies
+    (``models/mlp.py``): neuron j is zeroed iff |a_j| < t / ||W_down[j]|| (``compare="lt"``, the
+    reference; ``"le"``: <=, ``config.model.mlp.sparse_compare``)."""
+    _check_pair(acts_NF, w_down_FD)
+    if compare not in ("lt", "le"):
+        raise ValueError(f"compare={compare!r}; choose 'lt' (reference) or 'le'")
+    a = jnp.abs(jnp.asarray(acts_NF, jnp.float32))
+    bound = jnp.float32(threshold) / jnp.linalg.norm(jnp.asarray(w_down_FD, jnp.float32), axis=1)
+    return np.asarray(~(a <= bound) if compare == "le" else ~(a < bound))
+
+
+def activation_ratio_at(acts_NF, w_down_FD, threshold: float, compare: str = "lt") -> float:
+    """One layer's activation ratio at threshold t from arrays: the fraction of (token, neuron)
+    entries ``kept_neurons`` keeps (what ``activation_ratio`` reports for a model, per layer)."""
+    return float(np.mean(kept_neurons(acts_NF, w_down_FD, threshold, compare)))
+
+
 # ----------------------------------------------------------------------------- threshold search
 
 

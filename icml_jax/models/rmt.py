@@ -372,6 +372,44 @@ def optimizer_groups(c) -> OptimizerGroups:
     return OptimizerGroups(lr_mult if c.rmt.param == "mup" else None, decay)
 
 
+# ----------------------------------------------------------------------------- reference weights
+
+def from_reference_weights(weights, model_cfg: ml_collections.ConfigDict) -> dict:
+    """Our param tree (float32, per-layer ``layer_i``, i.e. ``scan_layers=False``) from the
+    reference model's weights (bmac3/residual-matrix-transformer @ 1afac0c, a haliax model):
+    ``weights`` maps the reference's parameter paths (``.module.embedding.param.weight``,
+    ``.module.rmt_stack.stacked.<part>.param.weight`` with the layers stacked on axis 0, ...) to
+    arrays in its layout (input axes, then output axes). Layout changes: the embedding
+    [V, Dv, R] -> [V, R, E], the unembedding [Dv, R, V] -> [R, E, V], the FFN's W1 [R, Dv, F]
+    -> [R·E, F] and W2 [F, R, Dv] -> [F, R·E]; every key/store/norm tensor is taken as is.
+    ``tests/models/test_rmt.py`` checks that the logits then equal the reference's."""
+    if model_cfg.rmt.position == "learned" or model_cfg.scan_layers:
+        raise ValueError("from_reference_weights maps the reference's ALiBi model into per-layer "
+                         "params: set config.model.rmt.position='alibi' and scan_layers=False")
+    w = dict(weights)
+    stack = ".module.rmt_stack.stacked."
+    R, E, F = model_cfg.num_heads, model_cfg.head_dim, model_cfg.ffn_dim
+    p = {"io": {
+        "embedding": np.asarray(w[".module.embedding.param.weight"]).transpose(0, 2, 1),
+        "embed_store": w[".module.storage_linear.param.weight"],
+        "final_norm": {"scale": w[".module.norm.param.weight"]},
+        "unembed_retrieve": w[".module.retrieval_linear.param.weight"],
+        "unembed": np.asarray(w[".module.unembedding.param.weight"]).transpose(1, 0, 2),
+    }}
+    for i in range(model_cfg.num_layers):
+        g = lambda name: np.asarray(w[stack + name + ".param.weight"])[i]  # noqa: E731
+        p[f"layer_{i}"] = {
+            "attn_norm": {"scale": g("attention.module.norm")},
+            "attn": {"qkv_retrieve": g("attention.module.qkv_linear")},
+            "attn_store": g("attention.module.out_linear"),
+            "mlp_norm": {"scale": g("mlp.module.norm")},
+            "mlp_retrieve": g("mlp.module.retrieval_linear"),
+            "mlp": {"wi": g("mlp.module.W1").transpose(1, 0, 2).reshape(R * E, F),
+                    "wo": g("mlp.module.W2").transpose(0, 2, 1).reshape(F, R * E)},
+            "mlp_store": g("mlp.module.storage_linear"),
+        }
+    return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), p)
+
 # ----------------------------------------------------------------------------- accounting
 # (conventions: icml_jax.analysis.flops)
 

@@ -114,6 +114,21 @@ def test_activation_ratio_non_increasing_in_c():
     assert ratios[0] == pytest.approx(1.0, abs=2.0 / nz.sum())
 
 
+def test_kept_neurons_rule_and_ratio_from_arrays():
+    """|a_j| < t/||w_j|| <=> n_j < t; "le" also zeroes the ties; the ratio is the kept share."""
+    a, w = _aligned(N=64, F=32)
+    n = np.asarray(S.neuron_output_norms(a, w))
+    t = float(np.quantile(n, 0.7))
+    keep = S.kept_neurons(a, w, t)
+    assert keep.shape == a.shape and keep.dtype == bool
+    assert np.mean(keep != (n >= t)) < 0.01  # same rule up to float rounding at the boundary
+    assert S.activation_ratio_at(a, w, t) == pytest.approx(keep.mean())
+    assert S.activation_ratio_at(a, w, 0.0) == 1.0
+    assert S.activation_ratio_at(a, w, 0.0, compare="le") == pytest.approx(np.mean(np.abs(a) > 0))
+    with pytest.raises(ValueError, match="compare='ge'"):
+        S.kept_neurons(a, w, t, compare="ge")
+
+
 def test_grid_matches_torch_linspace_formula():
     g = np.asarray(S.torch_linspace(0.1, 2.3, 9))
     step = np.float32((np.float32(2.3) - np.float32(0.1)) / np.float32(8))
@@ -283,6 +298,8 @@ def test_sparse_ratio_matches_threshold_rule(tiny_config, scan):
         m, params, [t0, 0.0], batch["inputs"], batch["positions"], batch["segment_ids"])
     keep0 = np.asarray(keeps[0][0] if scan else keeps[0]).reshape(-1, a0.shape[1])[np.asarray(batch["segment_ids"]).reshape(-1) > 0]
     np.testing.assert_array_equal(keep0, ~(np.abs(a0) < np.float32(t0) / np.linalg.norm(w0, axis=1)))
+    np.testing.assert_array_equal(keep0, S.kept_neurons(a0, w0, t0))  # the array-level API
+    assert S.activation_ratio_at(a0, w0, t0) == pytest.approx(keep0.mean(), abs=1e-12)
 
 
 def test_cett_ppl_search_properties(tiny_config):

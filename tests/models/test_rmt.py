@@ -72,30 +72,8 @@ def _forward(m):
 # ----------------------------------------------------------------------------- parity
 
 def _reference_params(ref, m):
-    """Our param tree from the reference's weights (their layout: input axes, then output axes)."""
-    w = {k[2:]: ref[k] for k in ref.files if k.startswith("w/")}
-    stack = ".module.rmt_stack.stacked."
-    R, E, F = m.num_heads, m.head_dim, m.ffn_dim
-    p = {"io": {
-        "embedding": w[".module.embedding.param.weight"].transpose(0, 2, 1),  # [V, Dv, R] -> [V, R, E]
-        "embed_store": w[".module.storage_linear.param.weight"],
-        "final_norm": {"scale": w[".module.norm.param.weight"]},
-        "unembed_retrieve": w[".module.retrieval_linear.param.weight"],
-        "unembed": w[".module.unembedding.param.weight"].transpose(1, 0, 2),  # [Dv, R, V] -> [R, E, V]
-    }}
-    for i in range(m.num_layers):
-        g = lambda name: w[stack + name + ".param.weight"][i]  # noqa: E731
-        p[f"layer_{i}"] = {
-            "attn_norm": {"scale": g("attention.module.norm")},
-            "attn": {"qkv_retrieve": g("attention.module.qkv_linear")},
-            "attn_store": g("attention.module.out_linear"),
-            "mlp_norm": {"scale": g("mlp.module.norm")},
-            "mlp_retrieve": g("mlp.module.retrieval_linear"),
-            "mlp": {"wi": g("mlp.module.W1").transpose(1, 0, 2).reshape(R * E, F),
-                    "wo": g("mlp.module.W2").transpose(0, 2, 1).reshape(F, R * E)},
-            "mlp_store": g("mlp.module.storage_linear"),
-        }
-    return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), p)
+    """Our param tree from the reference's weights (stored under ``w/<their path>``)."""
+    return rmt.from_reference_weights({k[2:]: ref[k] for k in ref.files if k.startswith("w/")}, m)
 
 
 def _parity_cfg():
@@ -124,6 +102,13 @@ def test_parity_with_reference_model():
     assert abs(ce - float(ref["ce"])) < 1e-5
     assert abs(logz2 - float(ref["logz2"])) < 1e-4
     assert abs(ce + 1e-4 * logz2 - float(ref["zloss"])) < 1e-5
+
+
+def test_reference_mapping_refuses_layouts_it_does_not_map():
+    m = _parity_cfg()
+    m.scan_layers = True
+    with pytest.raises(ValueError, match="scan_layers=False"):
+        rmt.from_reference_weights({}, m)
 
 
 def test_parity_fixture_records_reference_init_facts():
