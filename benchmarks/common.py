@@ -1,8 +1,9 @@
 """Helpers shared by the benchmarks: timing and atomic result files."""
 import os
 import statistics
-import tempfile
 import time
+
+from icml_jax.atomic import write_atomic  # a killed benchmark never leaves half a report
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -20,14 +21,6 @@ def time_calls(fn, n: int) -> list:
 def median_time(fn, n: int) -> float:
     return statistics.median(time_calls(fn, n))
 
-
-def write_atomic(path: str, text: str) -> None:
-    """Writes via a temp file + rename: a killed benchmark never leaves a half-written report."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=os.path.basename(path), suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def write_report(out_dir: str, name: str, result: dict, markdown: str) -> None:

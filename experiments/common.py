@@ -8,29 +8,9 @@ import csv
 import json
 import os
 import subprocess
-import tempfile
 from typing import Callable, Iterable, Mapping, Sequence
 
-
-def _replace_atomic(path: str, write, newline=None) -> None:
-    """``write(file)`` into a temp file of this process beside ``path``, then rename it over
-    ``path`` (two writers never share a temp file; a failed write leaves ``path`` untouched)."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=os.path.basename(path) + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", newline=newline) as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
-def write_atomic(path: str, text: str) -> None:
-    """Writes ``text`` to ``path`` via a temp file + rename."""
-    _replace_atomic(path, lambda f: f.write(text))
+from icml_jax.atomic import atomic_path, write_atomic  # noqa: F401  (write_atomic: for the experiments)
 
 
 def write_json(path: str, obj) -> None:
@@ -43,7 +23,7 @@ def write_csv(path: str, rows: Iterable[Mapping], fieldnames: Sequence[str]) -> 
         w = csv.DictWriter(f, fieldnames=list(fieldnames))
         w.writeheader()
         w.writerows(rows)
-    _replace_atomic(path, write, newline="")
+    write_atomic(path, write, newline="")
 
 
 def git_commit() -> str:
@@ -149,11 +129,8 @@ def train_run(cfg, workdir: str):
 def save_figure(fig, path: str, dpi: int = 110) -> None:
     """Saves a matplotlib figure atomically (temp file + rename) and closes it."""
     import matplotlib.pyplot as plt
-    tmp = path + f".{os.getpid()}.tmp.png"
     try:
-        fig.savefig(tmp, dpi=dpi)
-        os.replace(tmp, path)
+        with atomic_path(path, suffix=".tmp.png") as tmp:
+            fig.savefig(tmp, dpi=dpi)
     finally:
         plt.close(fig)
-        if os.path.exists(tmp):
-            os.remove(tmp)

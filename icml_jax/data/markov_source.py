@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import string
 
 import numpy as np
+
+from icml_jax.atomic import write_atomic
 
 ALPHABET = string.ascii_lowercase
 
@@ -144,8 +145,4 @@ def random_markov_mixture(seed: int = 0, *, num_chains: int = 8, num_letters: in
 
 def write_corpus(path: str, texts: list[str]) -> None:
     """One ``{"text": x}`` JSON row per string, written atomically (temp file + rename)."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        for x in texts:
-            f.write(json.dumps({"text": x}) + "\n")
-    os.replace(path + ".tmp", path)
+    write_atomic(path, "".join(json.dumps({"text": x}) + "\n" for x in texts))

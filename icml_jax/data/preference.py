@@ -44,13 +44,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import grain
 import numpy as np
 
+from icml_jax.atomic import write_atomic
 from icml_jax.data.pipeline import _process_slice
 
 PAIR_KEYS = ("tokens", "segment_ids", "positions", "response_mask", "lengths")
@@ -271,19 +271,7 @@ def _write_rows(path: str, rows: Sequence[Mapping[str, Any]], fields: Mapping[st
         out = {k: row[k] for k in fields}
         out.update({k: _json_value(v) for k, v in row.items() if k not in out})
         lines.append(json.dumps(out, ensure_ascii=False) + "\n")
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=os.path.basename(path) + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.writelines(lines)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    write_atomic(path, lambda f: f.writelines(lines), fsync=True)
 
 
 # ---------------------------------------------------------------------------------------- encoding

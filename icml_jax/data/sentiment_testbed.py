@@ -33,11 +33,12 @@ import hashlib
 import itertools
 import json
 import math
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+
+from icml_jax.atomic import write_atomic
 
 IN_DOMAIN_SPLIT = "train"
 OOD_SPLIT = "test"
@@ -280,11 +281,7 @@ def gold_stats(groups: Sequence[Group]) -> dict[str, float]:
 def save_groups(path: str, groups: Sequence[Group], **meta) -> None:
     """Writes ``{**meta, "groups": groups}`` as JSON via a temp file (named by the process id, so
     concurrent writers of one path never share it) + rename."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({**meta, "groups": list(groups)}, f, ensure_ascii=False)
-    os.replace(tmp, path)
+    write_atomic(path, lambda f: json.dump({**meta, "groups": list(groups)}, f, ensure_ascii=False))
 
 
 def load_groups(path: str) -> list[Group]:

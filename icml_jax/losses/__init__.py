@@ -11,11 +11,11 @@ No model is called in here; tasks (``icml_jax/tasks``) run the models and hand t
 """
 from icml_jax.losses import implicit_prm
 from icml_jax.losses.logps import (log_normalizer, response_token_logps, sequence_logps,
-                                   token_logprobs, with_z_loss)
+                                   token_logprobs, weighted_mean, with_z_loss)
 from icml_jax.losses.preference import (PREFERENCE_LOSSES, dpo_loss, tgdpo_logit, tgdpo_loss,
                                        tgdpo_token_weights)
 from icml_jax.losses.reward import bsr_penalty, reward_loss
 
 __all__ = ["token_logprobs", "log_normalizer", "with_z_loss", "response_token_logps",
-           "sequence_logps", "reward_loss", "bsr_penalty", "dpo_loss",
+           "sequence_logps", "weighted_mean", "reward_loss", "bsr_penalty", "dpo_loss",
            "tgdpo_loss", "tgdpo_logit", "tgdpo_token_weights", "PREFERENCE_LOSSES", "implicit_prm"]

@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from icml_jax.losses.logps import weighted_mean
+
 AGGREGATIONS = ("min", "sum", "last")
 SCORE_TYPES = ("single", "accumulative")
 
@@ -125,10 +127,10 @@ def ce_loss(reward_B, label_B, *, log_clamp: float | None = -100.0, weights_B=No
         lp, lq = jnp.maximum(jnp.log(p), log_clamp), jnp.maximum(jnp.log1p(-p), log_clamp)
     losses = -(y * lp + (1 - y) * lq)
     w = jnp.ones_like(r) if weights_B is None else weights_B.astype(jnp.float32)
-    mean = lambda x, ww: jnp.sum(x * ww) / jnp.maximum(jnp.sum(ww), 1.0)  # noqa: E731
-    metrics = {"accuracy": mean(((r > 0) == (y > 0.5)).astype(jnp.float32), w),
-               "rewards/correct": mean(r, w * y), "rewards/incorrect": mean(r, w * (1 - y))}
-    return mean(losses, w), metrics
+    metrics = {"accuracy": weighted_mean(((r > 0) == (y > 0.5)).astype(jnp.float32), w),
+               "rewards/correct": weighted_mean(r, w * y),
+               "rewards/incorrect": weighted_mean(r, w * (1 - y))}
+    return weighted_mean(losses, w), metrics
 
 
 def best_of_n(scores_GN: np.ndarray, correct_GN: np.ndarray, ns) -> dict:

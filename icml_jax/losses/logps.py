@@ -48,3 +48,10 @@ def sequence_logps(token_logps_BT: jax.Array, mask_BT: jax.Array,
     m = (mask_BT > 0).astype(jnp.float32)
     s = jnp.sum(token_logps_BT * m, axis=-1)
     return s / jnp.maximum(m.sum(-1), 1.0) if average else s
+
+
+def weighted_mean(x, w=None):
+    """sum(x * w) / max(sum(w), 1): the mean over rows of weight w (0 = padding; None = all 1),
+    and 0, not NaN, when every weight is 0."""
+    w = jnp.ones_like(x) if w is None else jnp.asarray(w).astype(jnp.float32)
+    return jnp.sum(x * w) / jnp.maximum(w.sum(), 1.0)

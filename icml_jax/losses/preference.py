@@ -30,6 +30,8 @@ Metrics (batch means): ``rewards/chosen`` = beta (log pi(y_w) - log ref(y_w)), `
 import jax
 import jax.numpy as jnp
 
+from icml_jax.losses.logps import weighted_mean
+
 PREFERENCE_LOSSES = ("sigmoid", "robust", "hinge", "ipo", "tgdpo")
 
 
@@ -40,17 +42,13 @@ def _check(beta: float, label_smoothing: float = 0.0):
         raise ValueError(f"config.loss.label_smoothing must be in [0, 0.5), got {label_smoothing}")
 
 
-def _wmean(x_B, w_B):
-    w = jnp.ones_like(x_B) if w_B is None else w_B.astype(jnp.float32)
-    return jnp.sum(x_B * w) / jnp.maximum(w.sum(), 1.0)
-
-
 def _metrics(pc, pr, rc, rr, beta, w_B):
     chosen, rejected = beta * (pc - rc), beta * (pr - rr)
-    return {"rewards/chosen": _wmean(chosen, w_B), "rewards/rejected": _wmean(rejected, w_B),
-            "rewards/accuracies": _wmean((chosen > rejected).astype(jnp.float32), w_B),
-            "rewards/margins": _wmean(chosen - rejected, w_B),
-            "logps/chosen": _wmean(pc, w_B), "logps/rejected": _wmean(pr, w_B)}
+    return {"rewards/chosen": weighted_mean(chosen, w_B),
+            "rewards/rejected": weighted_mean(rejected, w_B),
+            "rewards/accuracies": weighted_mean((chosen > rejected).astype(jnp.float32), w_B),
+            "rewards/margins": weighted_mean(chosen - rejected, w_B),
+            "logps/chosen": weighted_mean(pc, w_B), "logps/rejected": weighted_mean(pr, w_B)}
 
 
 def dpo_loss(policy_chosen_B, policy_rejected_B, ref_chosen_B, ref_rejected_B, *,
@@ -78,7 +76,7 @@ def dpo_loss(policy_chosen_B, policy_rejected_B, ref_chosen_B, ref_rejected_B, *
     else:
         raise ValueError(f"unknown DPO loss type {loss_type!r}: choose one of "
                          f"{PREFERENCE_LOSSES[:-1]} (config.loss.type; 'tgdpo' uses tgdpo_loss)")
-    return _wmean(losses, weights_B), _metrics(pc, pr, rc, rr, beta, weights_B)
+    return weighted_mean(losses, weights_B), _metrics(pc, pr, rc, rr, beta, weights_B)
 
 
 def tgdpo_token_weights(ref_BT, guide_BT, *, beta: float, alpha: float, chosen: bool,
@@ -131,7 +129,7 @@ def tgdpo_loss(policy_chosen_BT, policy_rejected_BT, ref_chosen_BT, ref_rejected
                                 ref_rejected_BT, guide_chosen_BT, guide_rejected_BT,
                                 mask_chosen_BT, mask_rejected_BT, beta=beta, alpha=alpha,
                                 weight_clip=weight_clip)
-    loss = _wmean(-jax.nn.log_sigmoid(logit), weights_B)
+    loss = weighted_mean(-jax.nn.log_sigmoid(logit), weights_B)
     seq = lambda x, m: jnp.sum(x * m, -1)  # noqa: E731
     metrics = _metrics(seq(pc_t, mc), seq(pr_t, mr), seq(rc_t, mc), seq(rr_t, mr), beta, weights_B)
     n_c, n_r = jnp.maximum(mc.sum(), 1.0), jnp.maximum(mr.sum(), 1.0)

@@ -18,7 +18,7 @@ response), reference, guidance. Metrics use TRL's names (``rewards/chosen`` ...)
 import jax.numpy as jnp
 import ml_collections
 
-from icml_jax.losses import PREFERENCE_LOSSES, dpo_loss, sequence_logps
+from icml_jax.losses import PREFERENCE_LOSSES, dpo_loss, sequence_logps, weighted_mean
 from icml_jax.losses import tgdpo_loss
 from icml_jax.models import build_model
 from icml_jax.tasks import TASKS
@@ -80,6 +80,6 @@ class PreferenceTask(PairTask):
                                reference_free=L.reference_free, weights_B=w)
         if L.sft_weight:
             nll = -sequence_logps(lp[:, 0], mask[:, 0], average=True)
-            m["sft_loss"] = jnp.sum(nll * w) / jnp.maximum(w.sum(), 1.0)
+            m["sft_loss"] = weighted_mean(nll, w)
             loss = loss + L.sft_weight * m["sft_loss"]
         return as_sums(loss, m, w)

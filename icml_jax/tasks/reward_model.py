@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from icml_jax.losses import reward_loss
+from icml_jax.losses import reward_loss, weighted_mean
 from icml_jax.models.reward import build_reward_model
 from icml_jax.tasks import TASKS
 from icml_jax.tasks.pairs import PairTask, as_sums, batched_apply, flat
@@ -63,9 +63,9 @@ class RewardModelTask(PairTask):
                               weights_B=w)
         hn = jnp.linalg.norm(h, axis=-1)
         w2 = jnp.repeat(w, 2)
-        mean = jnp.sum(hn * w2) / jnp.maximum(w2.sum(), 1.0)
+        mean = weighted_mean(hn, w2)
         m["hidden_norm/mean"] = mean
-        m["hidden_norm/std"] = jnp.sqrt(jnp.sum(jnp.square(hn - mean) * w2) / jnp.maximum(w2.sum(), 1.0))
+        m["hidden_norm/std"] = jnp.sqrt(weighted_mean(jnp.square(hn - mean), w2))
         m["score_norm"] = jnp.linalg.norm(params["score"].astype(jnp.float32))
         return as_sums(loss, m, w)
 

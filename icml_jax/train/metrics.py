@@ -4,6 +4,8 @@ import math
 import os
 import sys
 
+from icml_jax.atomic import atomic_path, write_atomic
+
 
 def _summary_writer(logdir: str):
     """tensorboardX's SummaryWriter, imported without PyTorch.
@@ -23,13 +25,6 @@ def _summary_writer(logdir: str):
     return SummaryWriter(logdir)
 
 
-def _atomic_write(path: str, text: str) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def finite_or_none(obj):
     """``obj`` with every non-finite float (nested in dicts, lists, tuples) replaced by None, so
     that it is valid JSON."""
@@ -42,7 +37,7 @@ def finite_or_none(obj):
 
 def write_json(path: str, obj, indent: int | None = 2) -> None:
     """``obj`` as valid JSON (non-finite floats become null), written atomically."""
-    _atomic_write(path, json.dumps(finite_or_none(obj), indent=indent, allow_nan=False))
+    write_atomic(path, json.dumps(finite_or_none(obj), indent=indent, allow_nan=False))
 
 
 def read_metrics(path: str) -> list:
@@ -69,7 +64,7 @@ class MetricsWriter:
         if not enabled:
             return
         kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
-        _atomic_write(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+        write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         self._f = open(self.path, "a")
         self._tb = _summary_writer(os.path.join(workdir, "tensorboard"))
 
@@ -110,7 +105,8 @@ def plot_loss_curve(metrics_path: str, png_path: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    tmp = png_path + ".tmp.png"
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    os.replace(tmp, png_path)
+    try:
+        with atomic_path(png_path, suffix=".tmp.png") as tmp:
+            fig.savefig(tmp, dpi=120)
+    finally:
+        plt.close(fig)

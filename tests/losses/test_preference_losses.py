@@ -4,6 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from icml_jax import losses
 from icml_jax.losses import dpo_loss, response_token_logps, sequence_logps, tgdpo_loss
 from icml_jax.losses.preference import tgdpo_token_weights
 
@@ -172,3 +173,10 @@ def test_tgdpo_logit_on_arrays():
     logit, _, _ = tgdpo_logit(pc, pr, rc, rr, gc, gr, mc, mr, beta=0.3, alpha=0.5)
     loss, _ = tgdpo_loss(pc, pr, rc, rr, gc, gr, mc, mr, beta=0.3, alpha=0.5)
     np.testing.assert_allclose(loss, jnp.mean(-jax.nn.log_sigmoid(logit)), rtol=1e-6)
+
+
+def test_weighted_mean_is_the_one_padding_aware_mean():
+    x, w = jnp.asarray([1.0, 2.0, 4.0]), jnp.asarray([1.0, 0.0, 3.0])
+    assert float(losses.weighted_mean(x, w)) == pytest.approx(np.average(x, weights=w))
+    assert float(losses.weighted_mean(x)) == pytest.approx(7.0 / 3.0)
+    assert float(losses.weighted_mean(x, jnp.zeros(3))) == 0.0  # all padding: 0, not NaN
