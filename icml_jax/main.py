@@ -10,10 +10,10 @@ file system).
 import os
 import sys
 
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_flags
 
-from icml_jax import xla_env
+from icml_jax import logs, xla_env
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/lm.py:small.",
                                           lock_config=True)
@@ -43,7 +43,7 @@ _HEARTBEAT = flags.DEFINE_integer("heartbeat_timeout", 100,
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    logging.set_verbosity(logging.WARNING)
+    logs.show_own_logs()  # icml_jax's own lines at INFO; orbax & co. from WARNING
     xla_env.use_default_flags()  # before the first JAX computation
     from icml_jax.train import distributed
 

@@ -11,12 +11,13 @@ tokenizer from the folder's ``tokenizer.json``.
 """
 from __future__ import annotations
 
+import logging as std_logging
 import os
 import sys
 
-from absl import app, flags, logging
+from absl import app, flags
 
-from icml_jax import xla_env
+from icml_jax import logs, xla_env
 from icml_jax.train import workdir as workdir_lib  # no JAX: the inputs are checked first
 
 # JAX, flax and orbax are imported only once the inputs have been checked (config.json, the
@@ -104,7 +105,7 @@ def run(argv_flags) -> list[str]:
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    logging.set_verbosity(logging.ERROR)  # orbax logs restores at INFO/WARNING
+    logs.show_own_logs(others=std_logging.ERROR)  # orbax logs restores at INFO/WARNING
     xla_env.use_default_flags()  # before the first JAX computation
     try:
         run(FLAGS)

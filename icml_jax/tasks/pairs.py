@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+from absl import logging
 
 from icml_jax.config_utils import mesh_shape
 from icml_jax.data import preference as pref_data
@@ -69,9 +70,9 @@ class PairTask(Task):
             k = t.eval_batches * t.batch_size
             self.eval_arrays = {key: v[:k] for key, v in self.train_arrays.items()}
         if jax.process_index() == 0 and (stats["truncated_prompt"] or stats["truncated_response"]):
-            print(f"{d.path}: {stats['n']} examples, {stats['truncated_prompt']} with a truncated "
-                  f"prompt and {stats['truncated_response']} with a truncated response at "
-                  f"config.data.seq_len={d.seq_len}")
+            logging.warning("%s: %d examples, %d with a truncated prompt and %d with a truncated "
+                            "response at config.data.seq_len=%d", d.path, stats["n"],
+                            stats["truncated_prompt"], stats["truncated_response"], d.seq_len)
         self.cached = []
 
     example_shape = (2,)  # per-example leading axes of the token arrays: a (chosen, rejected) pair

@@ -19,7 +19,6 @@ still restore when the process count is the one that wrote them.
 import errno
 import json
 import os
-import sys
 import time
 import zlib
 
@@ -182,8 +181,8 @@ class Checkpointer:
     def _set_aside(self, step: int, why: str, move: bool = True):
         path = os.path.join(self.directory, str(step))
         if not move:
-            print(f"WARNING: checkpoint {path} is unreadable ({why}); using the previous step "
-                  "(nothing was moved)", file=sys.stderr, flush=True)
+            logging.warning("checkpoint %s is unreadable (%s); using the previous step (nothing "
+                            "was moved)", path, why)
             return
         if jax.process_count() > 1:
             raise CheckpointError(
@@ -194,10 +193,8 @@ class Checkpointer:
         if os.path.isdir(path):
             aside = os.path.join(self.directory, f"corrupt_{step}_{int(time.time())}")
             os.rename(path, aside)
-            logging.warning("checkpoint %s could not be restored (%s); moved it to %s", path, why,
-                            aside)
-            print(f"WARNING: checkpoint {path} is unreadable ({why}); moved it to {aside}, "
-                  "falling back to the previous step", flush=True)
+            logging.warning("checkpoint %s is unreadable (%s); moved it to %s, falling back to "
+                            "the previous step", path, why, aside)
         self.manager.reload()
 
     def close(self):
@@ -357,8 +354,8 @@ def restore_params(workdir: str, abstract_params, ignore=()):
             raise
         except Exception as e:  # noqa: BLE001 - any read/parse failure: try the previous step
             errors.append(f"step {step}: {type(e).__name__}: {str(e)[:300]}")
-            print(f"WARNING: checkpoint {path} could not be restored "
-                  f"({type(e).__name__}: {str(e)[:300]}); trying the previous step", file=sys.stderr)
+            logging.warning("checkpoint %s could not be restored (%s: %s); trying the previous "
+                            "step", path, type(e).__name__, str(e)[:300])
     raise CheckpointError(f"none of the checkpoints {steps} in {directory} could be restored:\n  "
                           + "\n  ".join(errors))
 

@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 
 import numpy as np
+from absl import logging
 
 MODES = ("auto", "on", "off")
 _LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
@@ -179,7 +179,6 @@ def initialize(settings: Settings) -> bool:
     if not wanted(s):
         return False
     import jax  # pylint: disable=g-import-not-at-top
-    from absl import logging  # pylint: disable=g-import-not-at-top
 
     if "JAX_CPU_COLLECTIVES_IMPLEMENTATION" not in os.environ:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -195,7 +194,7 @@ def initialize(settings: Settings) -> bool:
         try:
             _pin_gloo_to_loopback()
         except Exception as e:  # noqa: BLE001 - JAX internals moved: collectives use the host name
-            print(f"warning: could not pin the CPU collectives to 127.0.0.1 ({e})", file=sys.stderr)
+            logging.warning("could not pin the CPU collectives to 127.0.0.1 (%s)", e)
     try:
         jax.distributed.initialize(**kwargs)
     except RuntimeError as e:

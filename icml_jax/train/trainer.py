@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
+from absl import logging
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
@@ -103,8 +104,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> tupl
         raise ValueError(f"config.train.lr={t.lr} is not a finite float32 (the updates would be "
                          "inf or NaN); use a learning rate below 1e38, typically 1e-4 .. 1e-2")
     if t.lr == 0 and jax.process_index() == 0:
-        print("WARNING: config.train.lr=0: the params will not change during training",
-              file=sys.stderr, flush=True)
+        logging.warning("config.train.lr=0: the params will not change during training")
     if m.num_heads % m.num_kv_heads:
         raise ValueError(f"config.model.num_heads={m.num_heads} is not a multiple of "
                          f"config.model.num_kv_heads={m.num_kv_heads}")
@@ -334,8 +334,8 @@ def _check_resume(config, workdir: str) -> None:
     if config.train.get("start_over", False) and not again:
         moved = _on_process_0(lambda: workdir_lib.set_aside(workdir), "move the previous run aside")
         if moved:
-            print(f"config.train.start_over=True: moved the previous run to {moved}; training "
-                  "from step 0", flush=True)
+            logging.warning("config.train.start_over=True: moved the previous run to %s; "
+                            "training from step 0", moved)
     elif saved:
         if changes.get("fixed"):
             raise ValueError(
@@ -344,12 +344,12 @@ def _check_resume(config, workdir: str) -> None:
                 "pass another --workdir, or add --config.train.start_over=True to move the old "
                 "run aside and start from step 0")
         if changes.get("schedule") and is_main:
-            print(f"WARNING: resuming {workdir} with a changed learning-rate schedule "
-                  f"({'; '.join(changes['schedule'])}); the remaining steps follow the new one",
-                  file=sys.stderr, flush=True)
+            logging.warning("resuming %s with a changed learning-rate schedule (%s); the "
+                            "remaining steps follow the new one", workdir,
+                            "; ".join(changes["schedule"]))
         if changes.get("other") and is_main:
-            print(f"resuming {workdir} with changed settings: {'; '.join(changes['other'])}",
-                  flush=True)
+            logging.info("resuming %s with changed settings: %s", workdir,
+                         "; ".join(changes["other"]))
     _on_process_0(lambda: _check_writable(ckpt_dir), "write to the checkpoints folder")
 
 

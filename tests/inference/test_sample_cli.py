@@ -85,7 +85,7 @@ def test_cli_falls_back_to_previous_step(workdir, tmp_path):
                 f.write(b"garbage")
     r = _cli(f"--checkpoint={wd}", "--prompt=ROMEO.", "--max_new_tokens=8")
     assert r.returncode == 0, r.stderr
-    assert "WARNING" in r.stderr and "step 1" in r.stdout
+    assert "checkpoints/2 could not be restored" in r.stderr and "step 1" in r.stdout
 
 
 def test_cli_errors(workdir, tmp_path):

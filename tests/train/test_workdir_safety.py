@@ -282,7 +282,7 @@ def _swap_step_and_reseal(step_dir):
 
 
 def test_damaged_steps_are_set_aside_and_the_previous_one_resumes(stopped, reference, data_dir,
-                                                                 capsys):
+                                                                 caplog):
     """Point 6: a flipped byte in an array file (step 10), a rewound iterator counter (step 8)
     and an iterator state of another step with checksums to match (step 6) are each found on
     restore and set aside, one by one; step 4 resumes with the uninterrupted losses."""
@@ -295,7 +295,7 @@ def test_damaged_steps_are_set_aside_and_the_previous_one_resumes(stopped, refer
     # a reader skips 10 and 8 and moves nothing; it reads no data state, so step 6 serves it
     assert step == 6 and _steps(stopped) == steps
     _resume_matches(stopped, reference, data_dir, start=4)
-    out = capsys.readouterr().out
+    out = caplog.text
     for step, why in ((10, "checksum differs"), (8, "data_state/metadata: size"),
                       (6, "its data-iterator state is the one of step 4")):
         assert re.search(rf"checkpoints/{step} is unreadable \([^\n]*{re.escape(why)}", out), out
@@ -398,13 +398,13 @@ def test_sigint_through_the_cli_stops_with_one_line_and_a_checkpoint(stopped, da
     assert step > 10 and str(step) in _steps(wd) and max(train_losses(wd)) == step
 
 
-def test_start_over_moves_the_previous_run_aside(stopped, data_dir, capsys):
+def test_start_over_moves_the_previous_run_aside(stopped, data_dir, caplog):
     old = _snapshot(stopped)
     summary = train_in_process(stopped, *SHORT, "--config.seed=5", "--config.train.steps=4",
                                "--config.train.start_over=True", data_dir=data_dir)
     assert summary["start_step"] == 0 and summary["step"] == 4
     (moved,) = os.listdir(stopped / "previous_runs")
-    assert "moved the previous run to" in capsys.readouterr().out
+    assert "moved the previous run to" in caplog.text
     kept = _snapshot(stopped / "previous_runs" / moved)
     assert {k: v for k, v in old.items() if k.startswith("checkpoints")} == {
         k: v for k, v in kept.items() if k.startswith("checkpoints")}
