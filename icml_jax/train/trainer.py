@@ -11,6 +11,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import flax
 import flax.linen as nn
@@ -20,7 +22,7 @@ import ml_collections
 import numpy as np
 import optax
 from absl import logging
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
 from icml_jax import sharding as mesh_lib
@@ -229,6 +231,28 @@ def sharded_state(task, tx, config, mesh, rules):
     return restore_target(nn.meta.unbox(boxed), shardings), shardings, init
 
 
+class Setup(NamedTuple):
+    """What training and loading a run share: the mesh and its logical-axis rules, the optimizer,
+    the TrainState's restore target (``abstract``), its shardings and ``init()``."""
+    mesh: Mesh
+    rules: tuple
+    tx: optax.GradientTransformation
+    abstract: Any
+    shardings: Any
+    init: Callable
+
+
+def setup(config: ml_collections.ConfigDict, task, devices=None) -> Setup:
+    """The one set-up of ``train_and_evaluate`` and ``load_state``: mesh over ``devices``
+    (default: all), rules, optimizer (``make_optimizer(config.train, model_cfg=config.model)``)
+    and the sharded state of ``task``'s model. Nothing is compiled until ``init()``."""
+    mesh = mesh_lib.make_mesh(config.mesh, devices)
+    rules = mesh_lib.logical_rules(config.mesh)
+    tx = make_optimizer(config.train, model_cfg=config.model)
+    abstract, shardings, init = sharded_state(task, tx, config, mesh, rules)
+    return Setup(mesh, rules, tx, abstract, shardings, init)
+
+
 def create_sharded_state(task, tx, config, mesh, rules):
     """The initial TrainState and its shardings: eval_shape(init) -> logical specs ->
     NamedShardings -> jit(init, out_shardings)."""
@@ -414,10 +438,7 @@ class _StopOnSignal:
 def _train(config, workdir: str, task, shape, stop: _StopOnSignal) -> dict:
     t = config.train
     is_main = jax.process_index() == 0
-    mesh, rules = mesh_lib.make_mesh(config.mesh), mesh_lib.logical_rules(config.mesh)
-    tx = make_optimizer(t, model_cfg=config.model)
-
-    abstract, state_shardings, init_state = sharded_state(task, tx, config, mesh, rules)
+    mesh, rules, tx, abstract, state_shardings, init_state = setup(config, task)
     n_params = sum(x.size for x in jax.tree.leaves(abstract.params))
     batch_sharding = mesh_lib.batch_sharding(mesh)
     # this process feeds its rows of every global batch: those its devices hold
@@ -572,11 +593,7 @@ def load_state(config: ml_collections.ConfigDict, workdir: str, devices=None):
     An unreadable newest step is skipped with a warning and the previous one is used; nothing is
     moved (the workdir may belong to a live run)."""
     shape = validate_config(config, len(jax.devices() if devices is None else devices))
-    task = build_task(config, shape)
-    mesh = mesh_lib.make_mesh(config.mesh, devices)
-    rules = mesh_lib.logical_rules(config.mesh)
-    tx = make_optimizer(config.train, model_cfg=config.model)
-    abstract = abstract_state(task, tx, config, mesh, rules)
+    abstract = setup(config, build_task(config, shape), devices).abstract
     error = missing_checkpoints(workdir)
     if error:
         raise ckpt_lib.CheckpointError(error)
