@@ -23,12 +23,11 @@ The experiment: python -m experiments.tgdpo_vs_dpo --workdir=runs/tgdpo_vs_dpo [
 
 Presets: ``tiny`` (tests), ``default`` (the testbed SFT policy's shape: 4 layers, d=128, byte tokens).
 """
-import os
-import runpy
-
 import ml_collections
 
-lm = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "lm.py"))
+from icml_jax.config_utils import sibling_config
+
+lm = sibling_config(__file__)
 
 LOSS = dict(type="sigmoid", beta=0.1, label_smoothing=0.0, reference_free=False, ipo_average=True,
             tgdpo_alpha=0.5, tgdpo_weight_clip=(), sft_weight=0.0, reference="", guidance="")
@@ -57,7 +56,7 @@ PRESETS = {
 
 def get_config(preset: str = "default") -> ml_collections.ConfigDict:
     """``configs/lm.py``'s base with task="preference", preference data and ``config.loss``."""
-    return lm["preset_config"](
+    return lm.preset_config(
         PRESETS, preset, default="default", where="configs/dpo.py", sections={"loss": LOSS},
         base={"task": "preference", "data": {"name": "preference_jsonl"},
               "train": {"samples": 0}})

@@ -14,22 +14,12 @@ and ``max_seq_len`` = 8x it so the same model evaluates up to 8x the training le
   ``spec``     the method page's reproduction model: L = 128, d_model 256, 4 layers, 4 heads of 64
                (D_in = D_out = 11); max_seq_len 2048 (16x). Tens of minutes per 1k steps on a CPU.
 """
-import importlib.util
-import os
-
 import ml_collections
 
-
-def _load_lm():
-    """configs/lm.py by path (configs/ is not a package; load_config also loads files by path)."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lm.py")
-    spec = importlib.util.spec_from_file_location("configs_lm_for_fope", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from icml_jax.config_utils import sibling_config
 
 
-lm = _load_lm()
+lm = sibling_config(__file__)  # configs/ is not a package
 
 PRESETS = {
     "tiny": dict(

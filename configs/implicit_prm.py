@@ -14,12 +14,11 @@ The experiment (arithmetic testbed, best-of-N, first-error detection):
 ``config.loss``: beta (0.05, the reference's run scripts), bce_log_clamp (-100, torch BCELoss;
 0 = exact log-sigmoid), reference ("" = config.train.init_from).
 """
-import os
-import runpy
-
 import ml_collections
 
-lm = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "lm.py"))
+from icml_jax.config_utils import sibling_config
+
+lm = sibling_config(__file__)
 
 LOSS = dict(beta=0.05, bce_log_clamp=-100.0, reference="")
 
@@ -45,7 +44,7 @@ PRESETS = {
 
 def get_config(preset: str = "default") -> ml_collections.ConfigDict:
     """``configs/lm.py``'s base with task="implicit_prm", unpaired data and ``config.loss``."""
-    return lm["preset_config"](
+    return lm.preset_config(
         PRESETS, preset, default="default", where="configs/implicit_prm.py", sections={"loss": LOSS},
         base={"task": "implicit_prm", "data": {"name": "preference_jsonl"},
               "train": {"samples": 0}})

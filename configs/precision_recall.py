@@ -15,10 +15,9 @@ The experiment (NLL + temperature vs PR losses, exact precision/recall on a Mark
 
 Presets: ``tiny`` (tests), ``default`` (2 layers, d=64: short strings need no more).
 """
-import os
-import runpy
+from icml_jax.config_utils import sibling_config
 
-lm = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "lm.py"))
+lm = sibling_config(__file__)
 
 LOSS = dict(type="nll", pr_lambda=1.0, pr_mix_nll=0.0)
 
@@ -43,7 +42,7 @@ PRESETS = {
 
 def get_config(preset: str = "default"):
     """``configs/lm.py``'s base with task="pr_lm", JSONL data and ``config.loss``."""
-    return lm["preset_config"](
+    return lm.preset_config(
         PRESETS, preset, default="default", where="configs/precision_recall.py",
         sections={"loss": LOSS},
         base={"task": "pr_lm", "data": {"name": "jsonl"}, "train": {"samples": 0}})

@@ -20,12 +20,11 @@ The experiment (BT vs BT+BSR on a gold-reward testbed):
 
 Presets: ``tiny`` (tests), ``default`` (the testbed SFT policy's shape: 4 layers, d=128, byte tokens).
 """
-import os
-import runpy
-
 import ml_collections
 
-lm = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "lm.py"))
+from icml_jax.config_utils import sibling_config
+
+lm = sibling_config(__file__)
 
 LOSS = dict(variant="bt", margin=0.0, center_coef=0.0, bsr_lambda=1e-3, bsr_scale_by_batch=True,
             bsr_reduce="local", bsr_num_shards=0)
@@ -54,7 +53,7 @@ PRESETS = {
 
 def get_config(preset: str = "default") -> ml_collections.ConfigDict:
     """``configs/lm.py``'s base with task="reward_model", preference data and ``config.loss``."""
-    return lm["preset_config"](
+    return lm.preset_config(
         PRESETS, preset, default="default", where="configs/reward_model.py", sections={"loss": LOSS},
         base={"task": "reward_model", "data": {"name": "preference_jsonl"},
               "train": {"samples": 0, "clip_norm": 1.0}})

@@ -21,11 +21,9 @@ to 10%, clipping at 1. The model reuses num_layers (L), num_heads (= num_kv_head
                   needs a GPT-2 SentencePiece/BPE tokenizer and corpus set via config.data.*).
   ``paper_305m``  paper's 305M RMT: L=24, Dk=64, Dv=64, R=16, N_ff=4096 (accelerator).
 """
-import os
-import runpy
+from icml_jax.config_utils import sibling_config
 
-# configs/ is not a package: configs/lm.py's functions, by path.
-lm = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "lm.py"))
+lm = sibling_config(__file__)  # configs/ is not a package
 
 _RMT = dict(residual="rmt", norm_eps=1e-6, tie_embeddings=False, init_std=0.02,
             mlp=dict(activation="gelu_tanh"))
@@ -67,4 +65,4 @@ PRESETS = {
 
 def get_config(preset: str = "small"):
     """Returns the config of a named preset (see PRESETS)."""
-    return lm["preset_config"](PRESETS, preset, default="small", where="configs/rmt.py")
+    return lm.preset_config(PRESETS, preset, default="small", where="configs/rmt.py")

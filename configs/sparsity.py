@@ -16,13 +16,12 @@ Presets:
                batch 8 x 128, 800 steps (0.82M tokens). A checkpoint every 25 steps, all kept
                (~12 MB each); the experiment evaluates a log-spaced subset of them.
 """
-import os
-import runpy
-
 import ml_collections
 
+from icml_jax.config_utils import sibling_config
+
 # configs/ is not a package: run configs/lm.py by path for its base_config and _flatten
-lm = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "lm.py"))
+lm = sibling_config(__file__)
 
 PRESETS = {
     "tiny": dict(
@@ -46,5 +45,5 @@ PRESETS = {
 
 def get_config(preset: str = "default") -> ml_collections.ConfigDict:
     """``configs/lm.py``'s base config with activation="relu_glu" and a preset of PRESETS."""
-    return lm["preset_config"](PRESETS, preset, default="default", where="configs/sparsity.py",
+    return lm.preset_config(PRESETS, preset, default="default", where="configs/sparsity.py",
                                base={"model": {"mlp": {"activation": "relu_glu"}}})

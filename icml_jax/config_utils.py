@@ -16,14 +16,26 @@ def load_config(spec: str, unlocked: bool = False) -> ml_collections.ConfigDict:
         path = os.path.join(REPO_ROOT, path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"config file {path!r} not found (from {spec!r})")
-    mod_spec = importlib.util.spec_from_file_location(
-        "config_" + os.path.splitext(os.path.basename(path))[0], path)
-    mod = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(mod)
+    mod = load_module(path)
     cfg = mod.get_config(preset) if preset else mod.get_config()
     if unlocked:
         cfg.unlock()
     return cfg
+
+
+def load_module(path: str):
+    """A Python file loaded by path as a fresh module (``configs/`` is not a package)."""
+    spec = importlib.util.spec_from_file_location(
+        "config_" + os.path.splitext(os.path.basename(path))[0], path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def sibling_config(this_file: str, name: str = "lm.py"):
+    """The config file ``name`` next to ``this_file`` as a module: how a config composes another
+    (``lm = sibling_config(__file__)``; then ``lm.base_config()``, ``lm.preset_config(...)``)."""
+    return load_module(os.path.join(os.path.dirname(os.path.abspath(this_file)), name))
 
 
 MESH_AXES = ("data", "fsdp", "tensor")
