@@ -1,5 +1,6 @@
 """Loading configs outside absl (tests, notebooks): ``load_config("configs/lm.py:tiny")``."""
 import importlib.util
+import json
 import math
 import os
 
@@ -36,6 +37,24 @@ def sibling_config(this_file: str, name: str = "lm.py"):
     """The config file ``name`` next to ``this_file`` as a module: how a config composes another
     (``lm = sibling_config(__file__)``; then ``lm.base_config()``, ``lm.preset_config(...)``)."""
     return load_module(os.path.join(os.path.dirname(os.path.abspath(this_file)), name))
+
+
+def _overlay(base: dict, saved: dict) -> dict:
+    out = dict(base)
+    for k, v in saved.items():
+        out[k] = _overlay(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
+    return out
+
+
+def complete_config(saved: dict) -> dict:
+    """A config saved by an earlier version (a workdir's ``config.json`` or a checkpoint's),
+    completed once, at load time, with the keys added since: every key of ``configs/lm.py``'s
+    ``base_config()`` that ``saved`` lacks gets its base value (what the code then assumed);
+    everything ``saved`` holds is kept. Without the repository's ``configs/`` it is returned as is."""
+    path = os.path.join(REPO_ROOT, "configs", "lm.py")
+    if not isinstance(saved, dict) or not os.path.exists(path):
+        return saved
+    return _overlay(json.loads(load_module(path).base_config().to_json_best_effort()), saved)
 
 
 MESH_AXES = ("data", "fsdp", "tensor")

@@ -37,3 +37,19 @@ def test_preset_builds(path, preset):
 def test_unknown_preset_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown preset 'hueg'"):
         load_config("configs/lm.py:hueg")
+
+
+def test_an_older_saved_config_is_completed_at_load_and_resumes():
+    """Keys added since a run was saved take the base value once, at load time, so resuming or
+    sampling that run neither breaks on a missing key nor counts it as a changed setting."""
+    import json
+    from icml_jax.config_utils import complete_config
+    from icml_jax.train import workdir as workdir_lib
+    new = json.loads(load_config("configs/fope.py:tiny").to_json_best_effort())
+    old = json.loads(json.dumps(new))
+    del old["model"]["rope_floor_ratio"], old["model"]["fope"]["pad_sin_value"], old["train"]["z_loss"]
+    assert workdir_lib.config_changes(old, new)["fixed"]  # without completion: refused
+    done = complete_config(old)
+    assert done["model"]["rope_floor_ratio"] == 1.0 and done["model"]["position"] == "fope"
+    assert not any(workdir_lib.config_changes(done, new).values())
+    assert complete_config(["not", "a", "config"]) == ["not", "a", "config"]

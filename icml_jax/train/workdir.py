@@ -27,6 +27,7 @@ import zlib
 
 import ml_collections
 
+from icml_jax.config_utils import complete_config
 from icml_jax.data.tokenizers import build_tokenizer
 from icml_jax.train import missing_checkpoints
 from icml_jax.train.metrics import write_json
@@ -121,7 +122,7 @@ def saved_config(workdir: str) -> tuple[dict | None, str]:
     for path in candidates + [os.path.join(workdir, "config.json")]:
         try:
             with open(path) as f:
-                return json.load(f), path
+                return complete_config(json.load(f)), path
         except (OSError, ValueError):
             continue
     return None, ""
@@ -243,7 +244,7 @@ def read_workdir(workdir: str):
                            "writes config.json and checkpoints/ there)")
     try:
         with open(cfg_path, encoding="utf-8") as f:
-            config = ml_collections.ConfigDict(json.load(f))
+            config = ml_collections.ConfigDict(complete_config(json.load(f)))
         config.model.vocab_size, config.model.max_seq_len, config.data.tokenizer  # pylint: disable=pointless-statement
     except (ValueError, TypeError, AttributeError, KeyError) as e:  # incl. JSON / UTF-8 errors
         raise WorkdirError(f"{cfg_path}: not a trainer config ({type(e).__name__}: "
