@@ -23,17 +23,15 @@ P(.|context)); it is the spec's candidate, and it is behind an explicit flag so 
 mistaken for the paper's loss. Averaged over the data, E_y[L_lambda] is NOT D_lambda of the
 conditional distributions (docs/methods/precision_recall.md, caveat).
 
-Training notes (measured in experiments/precision_recall):
+Training notes (the measurements are in docs/methods/precision_recall.md):
 
 * The gradient with respect to the logits is -q_y (e_y - q) where q_y < lambda and exactly 0 where
   q_y >= lambda (the ``where`` below makes the tie q_y = lambda zero too). From a near-uniform start
   q_y ~ 1/V, so the signal is ~V times weaker than NLL's -(e_y - q); Adam rescales it, but pure
   ``pr_hinge`` still learns slowly and leaves the mass it does not need (beyond lambda per target)
   wherever the initialisation put it. A small NLL term (``pr_mix_nll``, e.g. 0.1) or a warm start
-  from an NLL run (``config.train.init_from``) fixes both; the experiment runs both. Measured
-  there (default preset, 500 steps): pure L_0.1 from scratch ends with nearly all held-out targets
-  saturated (99.6% at 500 steps) and only 20% of the model's mass on valid strings; pure L_0.5 keeps precision (0.93)
-  but drops the rarer successors (recall 0.27); L_0.1 + 0.1 NLL trains like NLL.
+  from an NLL run (``config.train.init_from``) fixes both; ``experiments/precision_recall`` runs
+  both.
 * lambda >= 1 gives 1 - q_y (the total-variation-like member), precision-oriented; lambda < 1 is
   recall-oriented: up to 1/lambda next tokens can each reach q = lambda at zero loss.
 
