@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from icml_jax.models.layers import constrain, get_dtype, param
+from icml_jax.models.layers import constrain, get_dtype, param, upcast
 from icml_jax.models.positions import POSITIONS
 
 NEG_INF = -1e30
@@ -100,7 +100,7 @@ class Attention(nn.Module):
     def attend(self, q_BTGRK, k_BSGK, v_BSGK, mask_BTS, bias=None):
         """Softmax attention in float32 logits; returns [B, T, G, R, K] in the compute dtype."""
         K = q_BTGRK.shape[-1]
-        logits = jnp.einsum("BTGRK,BSGK->BGRTS", q_BTGRK, k_BSGK).astype(jnp.float32)
+        logits = upcast(jnp.einsum("BTGRK,BSGK->BGRTS", q_BTGRK, k_BSGK))
         logits = logits * (K ** -0.5)
         if bias is not None:
             logits = logits + bias

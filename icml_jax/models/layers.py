@@ -6,13 +6,26 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16,
+           "float64": jnp.float64}
 
 
 def get_dtype(name: str, key: str = "config.model.dtype"):
+    """The dtype of a config string. ``float64`` (for parity checks against fp64 reference runs)
+    needs JAX's 64-bit mode, without which JAX would silently compute in float32."""
     if name not in _DTYPES:
         raise ValueError(f"unknown dtype {name!r} for `{key}`; choose one of {sorted(_DTYPES)}")
+    if name == "float64" and not jax.config.read("jax_enable_x64"):
+        raise ValueError(f"{key}='float64' needs JAX's 64-bit mode (without it JAX computes in "
+                         "float32): set JAX_ENABLE_X64=1, call jax.config.update('jax_enable_x64', "
+                         "True) first, or build and run the model inside `with jax.enable_x64(True):`")
     return _DTYPES[name]
+
+
+def upcast(x: jax.Array) -> jax.Array:
+    """``x`` in at least float32, the precision of norms, softmax and logits: bfloat16, float16
+    and float32 give float32 (as before float64 existed), float64 stays float64."""
+    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
 
 def param(module: nn.Module, name: str, init_fn, shape: Sequence[int], axes: Sequence[str | None],
@@ -36,7 +49,7 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
 class RMSNorm(nn.Module):
     """Root-mean-square norm over the last axis with a learned gain (Llama style, eps inside sqrt).
 
-    The statistic is computed in float32; the result is cast back to ``dtype``."""
+    The statistic is computed in (at least) float32; the result is cast back to ``dtype``."""
     eps: float = 1e-5
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
@@ -46,6 +59,6 @@ class RMSNorm(nn.Module):
     def __call__(self, x):
         scale = param(self, "scale", nn.initializers.ones, (x.shape[-1],), (self.axis_name,),
                       self.param_dtype)
-        x32 = x.astype(jnp.float32)
+        x32 = upcast(x)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (y * scale.astype(jnp.float32)).astype(self.dtype)
+        return (y * upcast(scale)).astype(self.dtype)

@@ -43,20 +43,20 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from icml_jax.models.layers import param
+from icml_jax.models.layers import get_dtype, param, upcast
 from icml_jax.registry import Registry
 
 POSITIONS = Registry("position embedding", "config.model.position")
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling=None) -> jnp.ndarray:
-    """Inverse frequencies theta^(-2i/K) for i < K/2, float32 [K/2], optionally rescaled.
+def rope_inv_freq(head_dim: int, theta: float, scaling=None, dtype=jnp.float32) -> jnp.ndarray:
+    """Inverse frequencies theta^(-2i/K) for i < K/2, [K/2] in ``dtype``, optionally rescaled.
 
     ``scaling`` is ``config.model.rope_scaling``: ``linear`` divides every frequency by ``factor``;
     ``llama3`` divides the low frequencies (wavelength above original_max_position /
     low_freq_factor) by ``factor``, keeps the high ones (wavelength below original_max_position /
     high_freq_factor) and interpolates smoothly in between (HF's ``rope_type="llama3"``)."""
-    inv = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    inv = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=dtype) / head_dim))
     kind = "none" if scaling is None else scaling.type
     if kind == "none":
         return inv
@@ -89,8 +89,8 @@ def floor_clip_mask(inv_freq: np.ndarray, train_len: int, ratio: float = 1.0) ->
 def apply_rotary(x, pos, inv_freq):
     """Half-split rotation (the layout HF Llama checkpoints use) of x [B, T, ..., K] at pos [B, T].
 
-    Computed in float32, returned in x's dtype."""
-    ang = pos.astype(jnp.float32)[..., None] * inv_freq  # [B, T, K/2]
+    Computed in float32 (float64 for a float64 x), returned in x's dtype."""
+    ang = pos.astype(jnp.promote_types(x.dtype, jnp.float32))[..., None] * inv_freq  # [B, T, K/2]
     ang = ang.reshape(ang.shape[:2] + (1,) * (x.ndim - 3) + ang.shape[-1:])
     return apply_cos_sin(x, jnp.cos(ang), jnp.sin(ang))
 
@@ -98,8 +98,9 @@ def apply_rotary(x, pos, inv_freq):
 def apply_cos_sin(x, cos, sin):
     """x' = x*[cos; cos] + rotate_half(x)*[sin; sin] with rotate_half([x1; x2]) = [-x2; x1].
 
-    ``cos``/``sin`` [..., K/2] broadcast against x [..., K]; float32 inside, x's dtype out."""
-    x32 = x.astype(jnp.float32)
+    ``cos``/``sin`` [..., K/2] broadcast against x [..., K]; float32 (float64 for a float64 x)
+    inside, x's dtype out."""
+    x32 = upcast(x)
     x1, x2 = jnp.split(x32, 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
@@ -143,7 +144,8 @@ class RoPE(PositionEmbedding):
                              "of channels; use an even head_dim")
 
     def inv_freq(self, head_dim: int):
-        inv = rope_inv_freq(head_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
+        dt = jnp.promote_types(get_dtype(self.cfg.dtype), jnp.float32)  # float64 models: float64
+        inv = rope_inv_freq(head_dim, self.cfg.rope_theta, self.cfg.rope_scaling, dt)
         if self.cfg.get("rope_floor_clip", False):
             floor = np.float32(2 * math.pi / training_length(self.cfg)
                                * self.cfg.get("rope_floor_ratio", 1.0))
@@ -331,9 +333,9 @@ class ALiBi(PositionEmbedding):
         return -slopes_GR[None, :, :, None, None] * alibi_distance(q_pos_BT, k_pos_BS)[:, None, None]
 
 
-def alibi_distance(q_pos_BT, k_pos_BS):
-    """q_pos - k_pos as float32 [B, T, S] (ALiBi's distance; the RMT uses it too)."""
-    return (q_pos_BT[:, :, None] - k_pos_BS[:, None, :]).astype(jnp.float32)
+def alibi_distance(q_pos_BT, k_pos_BS, dtype=jnp.float32):
+    """q_pos - k_pos as [B, T, S] in ``dtype`` (ALiBi's distance; the RMT uses it too)."""
+    return (q_pos_BT[:, :, None] - k_pos_BS[:, None, :]).astype(dtype)
 
 
 def position_param_count(model_cfg) -> int:

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from icml_jax.models.attention import Attention
-from icml_jax.models.layers import RMSNorm, constrain, get_dtype, param
+from icml_jax.models.layers import RMSNorm, constrain, get_dtype, param, upcast
 from icml_jax.models.mlp import ACTIVATIONS, is_gated
 from icml_jax.models.positions import position_param_count
 from icml_jax.registry import Registry
@@ -83,7 +83,7 @@ class StandardIO(nn.Module):
         x = self.features(h_BTD)
         w_DV = self.embedding.T if self.cfg.tie_embeddings else self.lm_head
         logits = jnp.einsum("BTD,DV->BTV", x, w_DV.astype(x.dtype))
-        return constrain(logits.astype(jnp.float32), ("batch", "length", "act_vocab"))
+        return constrain(upcast(logits), ("batch", "length", "act_vocab"))
 
 
 class StandardBlock(nn.Module):

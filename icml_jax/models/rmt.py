@@ -68,7 +68,7 @@ import ml_collections
 import numpy as np
 
 from icml_jax.models.attention import NEG_INF, KVCache, attention_mask
-from icml_jax.models.layers import constrain, get_dtype, param
+from icml_jax.models.layers import constrain, get_dtype, param, upcast
 from icml_jax.models.mlp import ACTIVATIONS
 from icml_jax.models.positions import alibi_distance
 from icml_jax.models.residual import RESIDUALS, OptimizerGroups, Stream, mlp_matrices
@@ -159,11 +159,11 @@ def attention_scale(c) -> float:
     return c.rmt.attn_multiplier * math.sqrt(c.rmt.base_value_dim or E) / E
 
 
-def alibi_slopes(R: int) -> np.ndarray:
-    """m_r = 2^(-8(r+1)/R), r = 0..R-1, float32 [R] (the reference's geomspace). Equal to
+def alibi_slopes(R: int, dtype=np.float32) -> np.ndarray:
+    """m_r = 2^(-8(r+1)/R), r = 0..R-1, [R] in ``dtype`` (the reference's geomspace). Equal to
     ``positions.alibi_slopes`` when R is a power of two; other R keep the reference's sequence
     (Press et al.'s interleaving differs). The distance is ``positions.alibi_distance``."""
-    return (2.0 ** (-8.0 * np.arange(1, R + 1) / R)).astype(np.float32)
+    return (2.0 ** (-8.0 * np.arange(1, R + 1) / R)).astype(dtype)
 
 
 def _normal(std: float) -> Callable:
@@ -196,11 +196,11 @@ class MatrixNorm(nn.Module):
     def __call__(self, x_BTEK):
         g_EK = param(self, "scale", nn.initializers.ones, x_BTEK.shape[-2:], ("rmt_value", "rmt_key"),
                      self.param_dtype)
-        x = x_BTEK.astype(jnp.float32)
+        x = upcast(x_BTEK)
         if self.kind == "layernorm":
             x = x - jnp.mean(x, axis=(-2, -1), keepdims=True)
         y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=(-2, -1), keepdims=True) + self.eps)
-        return (y * g_EK.astype(jnp.float32)).astype(self.dtype)
+        return (y * upcast(g_EK)).astype(self.dtype)
 
 
 def _norm(c, name):
@@ -271,8 +271,8 @@ class RMTIO(nn.Module):
         """Final norm -> R retrievals -> logits float32 [B, T, V]."""
         u_BTRE = retrieve(self.final_norm(h.x), self.unembed_retrieve)
         logits = jnp.einsum("BTRE,REV->BTV", u_BTRE, self.unembed_REV.astype(u_BTRE.dtype),
-                            preferred_element_type=jnp.float32)
-        logits = logits.astype(jnp.float32) * output_multiplier(self.cfg)
+                            preferred_element_type=jnp.promote_types(u_BTRE.dtype, jnp.float32))
+        logits = upcast(logits) * output_multiplier(self.cfg)
         return constrain(logits, ("batch", "length", "act_vocab"))
 
 
@@ -304,16 +304,17 @@ class RMTAttention(nn.Module):
         """float32 softmax attention: z = (q·k)·scale / (ℓ+1) - m_r (t_pos - s_pos)."""
         c = self.cfg
         hi = jax.lax.Precision.HIGHEST
-        z_BRTS = jnp.einsum("BTRE,BSRE->BRTS", q_BTRE.astype(jnp.float32), k_BSRE.astype(jnp.float32),
+        z_BRTS = jnp.einsum("BTRE,BSRE->BRTS", upcast(q_BTRE), upcast(k_BSRE),
                             precision=hi) * attention_scale(c)
+        dt = z_BRTS.dtype  # float32, or float64 for a float64 model
         if c.rmt.inverse_layer_scaling:
-            z_BRTS = z_BRTS / (layer_B1[:, :, None, None] + 1).astype(jnp.float32)
+            z_BRTS = z_BRTS / (layer_B1[:, :, None, None] + 1).astype(dt)
         if c.rmt.position == "alibi":
-            m_R = jnp.asarray(alibi_slopes(c.num_heads))
-            z_BRTS = z_BRTS - m_R[None, :, None, None] * alibi_distance(q_pos_BT, k_pos_BS)[:, None]
+            m_R = jnp.asarray(alibi_slopes(c.num_heads, dt))
+            z_BRTS = z_BRTS - m_R[None, :, None, None] * alibi_distance(q_pos_BT, k_pos_BS, dt)[:, None]
         z_BRTS = jnp.where(mask_BTS[:, None], z_BRTS, NEG_INF)
         p_BRTS = jax.nn.softmax(z_BRTS, axis=-1)
-        return jnp.einsum("BRTS,BSRE->BTRE", p_BRTS, v_BSRE.astype(jnp.float32), precision=hi)
+        return jnp.einsum("BRTS,BSRE->BTRE", p_BRTS, upcast(v_BSRE), precision=hi)
 
 
 class RMTBlock(nn.Module):
@@ -375,7 +376,8 @@ def optimizer_groups(c) -> OptimizerGroups:
 # ----------------------------------------------------------------------------- reference weights
 
 def from_reference_weights(weights, model_cfg: ml_collections.ConfigDict) -> dict:
-    """Our param tree (float32, per-layer ``layer_i``, i.e. ``scan_layers=False``) from the
+    """Our param tree (in ``config.model.param_dtype``, per-layer ``layer_i``, i.e.
+    ``scan_layers=False``) from the
     reference model's weights (bmac3/residual-matrix-transformer @ 1afac0c, a haliax model):
     ``weights`` maps the reference's parameter paths (``.module.embedding.param.weight``,
     ``.module.rmt_stack.stacked.<part>.param.weight`` with the layers stacked on axis 0, ...) to
@@ -408,7 +410,8 @@ def from_reference_weights(weights, model_cfg: ml_collections.ConfigDict) -> dic
                     "wo": g("mlp.module.W2").transpose(0, 2, 1).reshape(F, R * E)},
             "mlp_store": g("mlp.module.storage_linear"),
         }
-    return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), p)
+    return jax.tree.map(lambda x: jnp.asarray(x, get_dtype(model_cfg.param_dtype,
+                                                          "config.model.param_dtype")), p)
 
 # ----------------------------------------------------------------------------- accounting
 # (conventions: icml_jax.analysis.flops)

@@ -6,6 +6,7 @@ import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import optax
 import pytest
@@ -176,3 +177,23 @@ def test_one_batch_overfits(tiny_config):
         params, opt, l = step(params, opt)
         first = float(l) if first is None else first
     assert first > 5.0 and float(l) < 0.5, (first, float(l))
+
+
+def test_float64_decoder_is_float64_throughout_and_agrees_with_float32(tiny_config):
+    """RoPE, norms, attention and logits follow a float64 model (a parity check's precision);
+    float32 is unchanged by it."""
+    m32 = tiny_config.model
+    tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, m32.vocab_size)
+    with jax.enable_x64(True):
+        m64 = ml_collections.ConfigDict(m32.to_dict())
+        m64.dtype = m64.param_dtype = "float64"
+        model64 = build_model(m64)
+        p64 = jax.jit(model64.init)(jax.random.key(0), tokens)["params"]
+        out64 = jax.jit(lambda p, t: model64.apply({"params": p}, t))(p64, tokens)
+        assert out64.dtype == jnp.float64
+        assert {x.dtype for x in jax.tree.leaves(p64)} == {jnp.dtype("float64")}
+        p32 = jax.tree.map(lambda x: np.asarray(x, np.float32), p64)
+    model32 = build_model(m32)
+    out32 = jax.jit(lambda p, t: model32.apply({"params": p}, t))(p32, tokens)
+    assert out32.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(out64), np.asarray(out32), atol=2e-5, rtol=1e-5)

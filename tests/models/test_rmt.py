@@ -104,6 +104,22 @@ def test_parity_with_reference_model():
     assert abs(ce + 1e-4 * logz2 - float(ref["zloss"])) < 1e-5
 
 
+def test_parity_with_reference_model_in_float64():
+    """In JAX's 64-bit mode with config.model.dtype = param_dtype = float64 the logits equal the
+    authors' fp64 run to round-off (fp32 above: 2e-5); outside that mode float64 is refused."""
+    ref = np.load(DATA)
+    m = _parity_cfg()
+    m.dtype = m.param_dtype = "float64"
+    with jax.enable_x64(True):
+        model = build_model(m)
+        logits = jax.jit(lambda p, t: model.apply({"params": p}, t[None])[0])(
+            _reference_params(ref, m), jnp.asarray(ref["tokens"]))
+        assert logits.dtype == jnp.float64
+        np.testing.assert_allclose(logits, ref["logits"], atol=1e-11, rtol=1e-11)
+    with pytest.raises(ValueError, match=r"config.model.(param_)?dtype='float64' needs JAX's 64-bit mode"):
+        build_model(m).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+
+
 def test_reference_mapping_refuses_layouts_it_does_not_map():
     m = _parity_cfg()
     m.scan_layers = True
