@@ -138,13 +138,13 @@ def score_parts(task, params, groups: dict, parts, seq_len: int) -> dict:
 def train_and_score(cfg, workdir: str, groups: dict) -> dict:
     """Trains (or resumes) one reward model, then scores every response of the val/bon parts."""
     from icml_jax.tasks import TASKS
-    from icml_jax.train.trainer import train_and_evaluate
+    from icml_jax.train.trainer import train
     t0 = time.time()
-    summary = train_and_evaluate(cfg, workdir)
+    state, summary = train(cfg, workdir)
     train_s = time.time() - t0
     task = TASKS.get("reward_model")(cfg)
     t1 = time.time()
-    scores = score_parts(task, summary["state"].params, groups, SPLITS + ("bon",),
+    scores = score_parts(task, state.params, groups, SPLITS + ("bon",),
                          cfg.data.seq_len)
     keep = ("step", "eval_accuracy", "eval_loss", "eval_hidden_norm/std", "eval_rewards/std",
             "eval_margin", "loss")

@@ -102,7 +102,7 @@ def run_one(cfg, workdir, exp, stream, tokenizer):
     """Trains (or resumes) one model and evaluates it; returns its eval dict (cached)."""
     import jax
     from icml_jax.analysis import length_eval
-    from icml_jax.train.trainer import train_and_evaluate
+    from icml_jax.train.trainer import train
     eval_path = os.path.join(workdir, "eval.json")
     key = {"config": json.loads(cfg.to_json_best_effort()), "exp": exp}
     if os.path.exists(eval_path):
@@ -111,9 +111,9 @@ def run_one(cfg, workdir, exp, stream, tokenizer):
         if cached.get("key") == key:
             return cached
     t0 = time.time()
-    summary = train_and_evaluate(cfg, workdir)
+    state, summary = train(cfg, workdir)
     train_s = time.time() - t0
-    params = jax.device_get(summary["state"].params)
+    params = jax.device_get(state.params)
     L = cfg.data.seq_len
     lengths = [f * L for f in FACTORS]
     t0 = time.time()

@@ -142,9 +142,9 @@ def train_and_score(cfg, workdir, strings, p_support, exp):
     """Trains (or resumes) one run and scores supp P exactly at every temperature."""
     from icml_jax.tasks import TASKS
     from icml_jax.tasks.pr_lm import sequence_logprobs
-    from icml_jax.train.trainer import train_and_evaluate
+    from icml_jax.train.trainer import train
     t0 = time.time()
-    summary = train_and_evaluate(cfg, workdir)
+    state, summary = train(cfg, workdir)
     train_s = time.time() - t0
     timing = os.path.join(workdir, "timing.json")
     if summary["start_step"] < summary["step"]:
@@ -158,7 +158,7 @@ def train_and_score(cfg, workdir, strings, p_support, exp):
     t1 = time.time()
     fine = list(exp["frontier_temperatures"]) if cfg.loss.type == "nll" else []
     temps = list(exp["temperatures"]) + fine
-    logq = sequence_logprobs(task.model, summary["state"].params, task.tokenizer, strings, temps,
+    logq = sequence_logprobs(task.model, state.params, task.tokenizer, strings, temps,
                              batch_size=2048)
     frontier = [{k: m[k] for k in ("temperature", "precision", "recall")}
                 for m in pr_metrics(p_support, logq[len(exp["temperatures"]):], fine,

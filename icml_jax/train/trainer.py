@@ -276,7 +276,14 @@ def _config_dict(config) -> dict:
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
-    """Trains ``config`` in ``workdir`` (resuming from its latest checkpoint); returns a summary.
+    """``train`` for its summary: the JSON-able dict also written to ``WORKDIR/summary.json``
+    (losses, evaluation, steps, throughput, samples)."""
+    return train(config, workdir)[1]
+
+
+def train(config: ml_collections.ConfigDict, workdir: str) -> tuple[TrainState, dict]:
+    """Trains ``config`` in ``workdir`` (resuming from its latest checkpoint); returns (the final
+    ``TrainState``, sharded as trained, and the summary ``train_and_evaluate`` returns).
 
     Before any compute: the config is validated, the workdir is locked for this run
     (``workdir.WorkdirLock``; a second run on it stops at once) and, when it holds checkpoints,
@@ -435,7 +442,7 @@ class _StopOnSignal:
         return True
 
 
-def _train(config, workdir: str, task, shape, stop: _StopOnSignal) -> dict:
+def _train(config, workdir: str, task, shape, stop: _StopOnSignal) -> tuple[TrainState, dict]:
     t = config.train
     is_main = jax.process_index() == 0
     mesh, rules, tx, abstract, state_shardings, init_state = setup(config, task)
@@ -574,8 +581,7 @@ def _train(config, workdir: str, task, shape, stop: _StopOnSignal) -> dict:
         if sample:
             summary["samples"] = _print_samples(task, host_params, config, log)
         write_json(os.path.join(workdir, "summary.json"), summary)
-    summary["state"] = state
-    return summary
+    return state, summary
 
 
 def _gather_to_host(tree):

@@ -41,7 +41,8 @@ def cli_config(config, *overrides):
     return fv.config
 
 
-def train_in_process(workdir, *overrides, config="configs/lm.py:tiny", data_dir=None):
+def train_in_process(workdir, *overrides, config="configs/lm.py:tiny", data_dir=None,
+                     with_state=False):
     """What ``python -m icml_jax.main --config=CONFIG --workdir=WORKDIR OVERRIDES`` trains, run by
     ``train_and_evaluate`` in this process (one CPU device) -> its summary. ``data_dir`` (the
     subprocesses' $TFDS_DATA_DIR) goes in as ``config.data.data_dir``: TFDS reads the variable
@@ -50,17 +51,18 @@ def train_in_process(workdir, *overrides, config="configs/lm.py:tiny", data_dir=
     cfg = cli_config(config, *overrides)
     if data_dir:
         cfg.data.data_dir = data_dir
-    return trainer.train_and_evaluate(cfg, str(workdir))
+    state, summary = trainer.train(cfg, str(workdir))
+    return (state, summary) if with_state else summary
 
 
-def sharding_digest(summary) -> dict:
+def sharding_digest(state, summary) -> dict:
     """JSON-able {"devices", "eval_loss", "shardings": {param path: [spec, shape, shard shape]}}
-    of a ``train_and_evaluate`` summary."""
+    of what ``trainer.train`` returned."""
     import jax
     return {"devices": jax.device_count(), "eval_loss": summary["eval_loss"], "shardings": {
         jax.tree_util.keystr(path): [str(x.sharding.spec), list(x.shape),
                                      list(x.addressable_shards[0].data.shape)]
-        for path, x in jax.tree_util.tree_leaves_with_path(summary["state"].params)}}
+        for path, x in jax.tree_util.tree_leaves_with_path(state.params)}}
 
 
 def restore_digest(workdir, out, mesh) -> dict:

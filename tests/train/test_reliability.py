@@ -66,8 +66,8 @@ c = load_config("configs/lm.py:tiny", unlocked=True)
 c.train.samples = 0
 c.train.steps = 12
 c.mesh.data, c.mesh.fsdp, c.mesh.tensor = [int(x) for x in sys.argv[2:5]]
-s = trainer.train_and_evaluate(c, sys.argv[1])
-print("RESULT" + json.dumps(sharding_digest(s)))
+state, s = trainer.train(c, sys.argv[1])
+print("RESULT" + json.dumps(sharding_digest(state, s)))
 """
 
 
@@ -82,8 +82,9 @@ def _run_sharded(workdir, devices, mesh, data_dir):
 
 def test_fsdp_tensor_parallel_matches_one_device(tmp_path, data_dir):
     # the one-device run is the script's training in this process
-    one = sharding_digest(train_in_process(str(tmp_path / "one"), "--config.train.samples=0",
-                                            "--config.train.steps=12", data_dir=data_dir))
+    one = sharding_digest(*train_in_process(str(tmp_path / "one"), "--config.train.samples=0",
+                                             "--config.train.steps=12", data_dir=data_dir,
+                                             with_state=True))
     l1 = train_losses(str(tmp_path / "one"))
     eight, l8 = _run_sharded(str(tmp_path / "eight"), 8, (1, 4, 2), data_dir)
     assert one["devices"] == 1 and eight["devices"] == 8

@@ -47,7 +47,11 @@ def data_dir(session_tfds_dir):
 def reference(tmp_path_factory, data_dir):
     """The uninterrupted run: its workdir and its losses by step."""
     wd = tmp_path_factory.mktemp("reference") / "w"
-    train_in_process(wd, *SHORT, data_dir=data_dir)
+    state, summary = train_in_process(wd, *SHORT, data_dir=data_dir, with_state=True)
+    assert isinstance(state, trainer.TrainState) and int(state.step) == 12
+    assert "state" not in summary and json.loads(json.dumps(summary)) == summary  # JSON-able
+    with open(wd / "summary.json") as f:
+        assert json.load(f) == summary
     losses = train_losses(wd)
     assert sorted(losses) == list(range(1, 13))
     steps = sorted(int(s) for s in os.listdir(wd / "checkpoints"))
