@@ -17,6 +17,8 @@ The experiment (BT vs BT+BSR on a gold-reward testbed):
   bsr_reduce          local: the mean over each data shard's rows (the reference) | global
   bsr_num_shards      0 = the mesh's data * fsdp; n > 0 computes the local means over n row
                       blocks whatever the devices (reproduces an n-device run on one device)
+  reward_position     where the score head reads the backbone: last (the last real token, the
+                      appended eos; TRL's) | last_response_token (the token before that eos)
 
 Presets: ``tiny`` (tests), ``default`` (the testbed SFT policy's shape: 4 layers, d=128, byte tokens).
 """
@@ -27,7 +29,7 @@ from icml_jax.config_utils import sibling_config
 lm = sibling_config(__file__)
 
 LOSS = dict(variant="bt", margin=0.0, center_coef=0.0, bsr_lambda=1e-3, bsr_scale_by_batch=True,
-            bsr_reduce="local", bsr_num_shards=0)
+            bsr_reduce="local", bsr_num_shards=0, reward_position="last")
 
 PRESETS = {
     "tiny": dict(

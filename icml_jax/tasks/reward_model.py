@@ -12,7 +12,8 @@ Logged (means over pairs): ``accuracy``, ``margin``, ``rewards/{chosen,rejected,
 and the score-head norm ``score_norm``. Batch statistics (std) are per (micro-)batch, averaged.
 
 config.loss: variant (bt | hinge | normalized | eurus), margin, center_coef, bsr_lambda,
-bsr_scale_by_batch, bsr_reduce (local | global).
+bsr_scale_by_batch, bsr_reduce (local | global), reward_position (``score_index``: last |
+last_response_token).
 """
 import jax
 import jax.numpy as jnp
@@ -24,6 +25,22 @@ from icml_jax.tasks import TASKS
 from icml_jax.tasks.pairs import PairTask, as_sums, batched_apply, flat
 
 
+REWARD_POSITIONS = ("last", "last_response_token")
+
+
+def score_index(tokens_NT, lengths_N, eos_id: int, position: str = "last"):
+    """The slot the reward is read at, int32 [N]. ``last``: the last real token (``lengths - 1``:
+    the appended eos with ``config.data.add_eos``; TRL's last non-padding token).
+    ``last_response_token``: the response's own last token, i.e. one slot earlier when the row
+    ends with an eos (a backbone trained on packed LM rows has seen eos only as a target, so its
+    hidden state there hardly depends on the response; docs/methods/bsr.md)."""
+    last_N = jnp.maximum(lengths_N - 1, 0)
+    if position == "last":
+        return last_N
+    ends_with_eos = jnp.take_along_axis(tokens_NT, last_N[:, None], axis=1)[:, 0] == eos_id
+    return jnp.where(ends_with_eos & (last_N > 0), last_N - 1, last_N)
+
+
 @TASKS.register("reward_model")
 class RewardModelTask(PairTask):
     pretrained_key = "backbone"  # config.train.init_from (an LM workdir) loads the decoder here
@@ -32,6 +49,11 @@ class RewardModelTask(PairTask):
     def __init__(self, config: ml_collections.ConfigDict, context=None):
         super().__init__(config, context)
         self.model = build_reward_model(config.model)
+        # runs saved before the key existed read at the last token
+        self.reward_position = config.loss.get("reward_position", "last")
+        if self.reward_position not in REWARD_POSITIONS:
+            raise ValueError(f"unknown config.loss.reward_position {self.reward_position!r}; "
+                             f"choose one of {REWARD_POSITIONS}")
         self._score = jax.jit(self._score_rows)
         L = config.loss
         # fail on a bad loss setting now, not at the first traced step
@@ -45,8 +67,8 @@ class RewardModelTask(PairTask):
 
     def apply(self, params, tokens_NT, positions_NT, segment_ids_NT, lengths_N):
         """(rewards [N], final hidden states at the scoring token [N, F]) of single sequences."""
-        return self.model.apply({"params": params}, tokens_NT, positions_NT, segment_ids_NT,
-                                jnp.maximum(lengths_N - 1, 0))
+        index_N = score_index(tokens_NT, lengths_N, self.tokenizer.eos_id, self.reward_position)
+        return self.model.apply({"params": params}, tokens_NT, positions_NT, segment_ids_NT, index_N)
 
     def loss(self, params, batch):
         L, t = self.config.loss, self.config.train
