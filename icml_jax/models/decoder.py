@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from icml_jax.models.layers import upcast
 from icml_jax.models.residual import RESIDUALS
 
 _REMAT_POLICIES = {
@@ -63,6 +64,12 @@ class Decoder(nn.Module):
                 h, _ = block(c, self.decode, name=f"layer_{i}")(h, positions_BT, segment_ids_BT)
         if last_only:
             h = jax.tree.map(lambda x: x[:, -1:], h)
+        if features:
+            # the residual stream's norm per token before the final norm, float32 [B, T]: a
+            # diagnostic that exists only when the caller makes "diagnostics" mutable
+            sq = sum(jnp.sum(jnp.square(upcast(x)).reshape(x.shape[:2] + (-1,)), -1)
+                     for x in jax.tree.leaves(h) if jnp.issubdtype(x.dtype, jnp.floating))
+            self.sow("diagnostics", "residual_norm", jnp.sqrt(sq))
         return io.features(h) if features else io.unembed(h)
 
 

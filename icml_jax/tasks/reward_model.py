@@ -8,8 +8,9 @@ penalty), as the reference computes it under one-process-per-GPU training.
 
 Logged (means over pairs): ``accuracy``, ``margin``, ``rewards/{chosen,rejected,mean,std}``,
 ``loss/{pair,center,bsr}``, the final hidden-state norm at the scoring token
-``hidden_norm/{mean,std}`` (its dispersion is what the BSR paper blames for over-optimisation)
-and the score-head norm ``score_norm``. Batch statistics (std) are per (micro-)batch, averaged.
+``hidden_norm/{mean,std}`` (its dispersion is what the BSR paper blames for over-optimisation),
+the same before the final norm ``residual_norm/{mean,std}`` (a final RMSNorm pins the former) and
+the score-head norm ``score_norm``. Batch statistics (std) are per (micro-)batch, averaged.
 
 config.loss: variant (bt | hinge | normalized | eurus), margin, center_coef, bsr_lambda,
 bsr_scale_by_batch, bsr_reduce (local | global), reward_position (``score_index``: last |
@@ -65,16 +66,24 @@ class RewardModelTask(PairTask):
         return self.model.init(rng, b, flat(batch["positions"]), flat(batch["segment_ids"]),
                                flat(batch["lengths"]) - 1)["params"]
 
-    def apply(self, params, tokens_NT, positions_NT, segment_ids_NT, lengths_N):
-        """(rewards [N], final hidden states at the scoring token [N, F]) of single sequences."""
+    def apply(self, params, tokens_NT, positions_NT, segment_ids_NT, lengths_N,
+              with_residual: bool = False):
+        """(rewards [N], final hidden states at the scoring token [N, F]) of single sequences;
+        ``with_residual`` adds the residual stream's norm there before the final norm [N]."""
         index_N = score_index(tokens_NT, lengths_N, self.tokenizer.eos_id, self.reward_position)
-        return self.model.apply({"params": params}, tokens_NT, positions_NT, segment_ids_NT, index_N)
+        if not with_residual:
+            return self.model.apply({"params": params}, tokens_NT, positions_NT, segment_ids_NT,
+                                    index_N)
+        (r_N, h_NF), diag = self.model.apply({"params": params}, tokens_NT, positions_NT,
+                                             segment_ids_NT, index_N, mutable=["diagnostics"])
+        res_NT = diag["diagnostics"]["backbone"]["residual_norm"][0]
+        return r_N, h_NF, jnp.take_along_axis(res_NT, index_N[:, None], axis=1)[:, 0]
 
     def loss(self, params, batch):
         L, t = self.config.loss, self.config.train
         B = batch["tokens"].shape[0]
-        r, h = self.apply(params, flat(batch["tokens"]), flat(batch["positions"]),
-                          flat(batch["segment_ids"]), flat(batch["lengths"]))
+        r, h, res = self.apply(params, flat(batch["tokens"]), flat(batch["positions"]),
+                               flat(batch["segment_ids"]), flat(batch["lengths"]), with_residual=True)
         r_B2 = r.reshape(B, 2)
         w = batch["weight"]
         loss, m = reward_loss(r_B2[:, 0], r_B2[:, 1], variant=L.variant, margin=L.margin,
@@ -83,11 +92,13 @@ class RewardModelTask(PairTask):
                               num_shards=self.num_shards,
                               per_device_batch=t.batch_size // (self.num_shards * t.grad_accum),
                               weights_B=w)
-        hn = jnp.linalg.norm(h, axis=-1)
         w2 = jnp.repeat(w, 2)
-        mean = weighted_mean(hn, w2)
-        m["hidden_norm/mean"] = mean
-        m["hidden_norm/std"] = jnp.sqrt(weighted_mean(jnp.square(hn - mean), w2))
+        # the scoring token's norm after the final norm (what the head reads) and before it (the
+        # residual stream, whose dispersion a final RMSNorm pins by construction)
+        for name, x in (("hidden_norm", jnp.linalg.norm(h, axis=-1)), ("residual_norm", res)):
+            mean = weighted_mean(x, w2)
+            m[f"{name}/mean"] = mean
+            m[f"{name}/std"] = jnp.sqrt(weighted_mean(jnp.square(x - mean), w2))
         m["score_norm"] = jnp.linalg.norm(params["score"].astype(jnp.float32))
         return as_sums(loss, m, w)
 

@@ -54,3 +54,40 @@ def test_the_task_reads_the_configured_position_and_refuses_others(tmp_path):
     c.loss.reward_position = "eos"
     with pytest.raises(ValueError, match=r"unknown config.loss.reward_position 'eos'"):
         TASKS.get("reward_model")(c)
+
+
+def test_the_residual_norm_is_the_one_before_the_final_norm(tmp_path):
+    """residual_norm equals the norm of the last block's output (flax's captured intermediates) at
+    the scoring token, and differs from the final-normed hidden_norm."""
+    import flax.linen as nn
+    import jax
+    from icml_jax.config_utils import load_config
+    from icml_jax.data.preference import write_preference_jsonl
+    from icml_jax.tasks import TASKS
+    from icml_jax.tasks.pairs import flat
+    from tests.tasks.helpers import synthetic_pairs
+    path = str(tmp_path / "pairs.jsonl")
+    write_preference_jsonl(path, synthetic_pairs(8, 0))
+    c = load_config("configs/reward_model.py:tiny", unlocked=True)
+    c.data.path, c.data.eval_path = path, path
+    task = TASKS.get("reward_model")(c)
+    batch = task.eval_batches()[0]
+    params = jax.jit(lambda k, b: nn.meta.unbox(task.init_params(k, b)))(jax.random.key(0), batch)
+
+    assert not c.model.scan_layers
+    last = f"layer_{c.model.num_layers - 1}"
+
+    @jax.jit
+    def run(p, b):
+        args = (flat(b["tokens"]), flat(b["positions"]), flat(b["segment_ids"]), flat(b["lengths"]))
+        r, h, res = task.apply(p, *args, with_residual=True)
+        _, inter = task.model.apply({"params": p}, *args[:3], jnp.maximum(args[3] - 1, 0),
+                                    capture_intermediates=True, mutable=["intermediates"])
+        h_last = inter["intermediates"]["backbone"][last]["__call__"][0][0]  # [N, T, D]
+        want = jnp.linalg.norm(jnp.take_along_axis(
+            h_last, jnp.maximum(args[3] - 1, 0)[:, None, None], axis=1)[:, 0], axis=-1)
+        return jnp.linalg.norm(h, axis=-1), res, want, task.loss(p, b)[2]
+    f, n, want, msums = run(params, batch)
+    np.testing.assert_allclose(n, want, rtol=1e-5)
+    assert float(jnp.max(jnp.abs(f - n))) > 1e-2 * float(jnp.max(n))  # not the normed one
+    assert {"residual_norm/mean", "residual_norm/std"} <= set(msums)
