@@ -8,12 +8,17 @@ beside them (float32 [B, 2, T]). A task's loss is a mean over pairs, so its loss
 mean * sum(weight) and its count is sum(weight): the trainer's token-weighted mean then averages
 the (micro-)batches' means, as a PyTorch trainer does with gradient accumulation.
 """
+import hashlib
+import json
+import os
+
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from absl import logging
 
+from icml_jax.atomic import atomic_path
 from icml_jax.config_utils import mesh_shape
 from icml_jax.data import preference as pref_data
 from icml_jax.losses import response_token_logps
@@ -98,7 +103,15 @@ class PairTask(Task):
     def cache_frozen_logps(self, key: str, workdir: str, where: str, model):
         """Adds ``key``: the per-token log-probs (float32, aligned with ``tokens``) of every train
         and eval example under the frozen decoder ``model`` whose params are ``workdir``'s newest
-        checkpoint. The params are dropped afterwards: only the arrays stay."""
+        checkpoint. The params are dropped afterwards: only the arrays stay.
+
+        The arrays are also kept on disk, in ``WORKDIR/frozen_logps/<fingerprint>.npz`` of the
+        frozen run, and reused by every later run that asks for the same ones (a DPO and a TGDPO
+        run from one SFT reference compute them once). The fingerprint covers exactly what they
+        depend on: the params' bytes, the token / position / segment / response-mask arrays
+        (so the dataset, tokenizer and truncation), the model config and the scoring batch.
+        Single-process runs only (a multi-process run computes them, as before); a folder that
+        cannot be written is skipped with a warning."""
         if self.context.restore_params is None:
             raise ValueError(f"{where}={workdir!r}: reading another run's params needs "
                              "tasks.TaskContext(restore_params=...) (train_and_evaluate passes it)")
@@ -106,13 +119,22 @@ class PairTask(Task):
             params = self.context.restore_params(workdir, self.config.model)
         except ValueError as e:
             raise ValueError(f"{where}={workdir!r}: {e}") from e
-        fn = response_logps_fn(model)
-        T = self.config.data.seq_len
-        for arrays in (self.train_arrays, self.eval_arrays):
-            rows = {k: arrays[k].reshape(-1, T)
-                    for k in ("tokens", "positions", "segment_ids", "response_mask")}
-            lp = batched_apply(lambda b: fn(params, b), rows, 2 * self.config.train.batch_size)
-            arrays[key] = lp.reshape(arrays["tokens"].shape)
+        T, batch = self.config.data.seq_len, 2 * self.config.train.batch_size
+        splits = {"train": self.train_arrays, "eval": self.eval_arrays}
+        rows = {name: {k: arrays[k].reshape(-1, T) for k in _SCORED_KEYS}
+                for name, arrays in splits.items()}
+        path = None
+        if jax.process_count() == 1:
+            path = os.path.join(workdir, "frozen_logps",
+                                _fingerprint(params, rows, self.config.model, batch) + ".npz")
+        cached = _read_cache(path, {n: splits[n]["tokens"].shape for n in splits})
+        if cached is None:
+            fn = response_logps_fn(model)
+            cached = {name: batched_apply(lambda b: fn(params, b), r, batch).reshape(
+                splits[name]["tokens"].shape) for name, r in rows.items()}
+            _write_cache(path, cached)
+        for name, arrays in splits.items():
+            arrays[key] = cached[name]
         self.cached.append(key)
 
     def train_iterator(self, seed: int, shard=None):
@@ -126,6 +148,47 @@ class PairTask(Task):
         index, count = shard if shard is not None else (None, None)
         return pref_data.eval_batches(self.eval_arrays, t.batch_size, max_batches=t.eval_batches,
                                       process_index=index, process_count=count)
+
+
+_SCORED_KEYS = ("tokens", "positions", "segment_ids", "response_mask")
+
+
+def _fingerprint(params, rows: dict, model_cfg, batch: int) -> str:
+    h = hashlib.sha256(json.dumps({"model": json.loads(model_cfg.to_json_best_effort()),
+                                   "batch": batch, "version": 1}, sort_keys=True).encode())
+    for leaf in jax.tree.leaves(params):
+        x = np.asarray(jax.device_get(leaf))
+        h.update(f"{x.dtype}{x.shape}".encode())
+        h.update(np.ascontiguousarray(x).tobytes())
+    for name in sorted(rows):
+        for k in _SCORED_KEYS:
+            h.update(f"{name}/{k}{rows[name][k].shape}".encode())
+            h.update(np.ascontiguousarray(rows[name][k], np.int32).tobytes())
+    return h.hexdigest()[:32]
+
+
+def _read_cache(path, shapes: dict):
+    """The cached arrays of ``path`` if it holds every split at its shape, else None."""
+    if path is None or not os.path.exists(path):
+        return None
+    try:
+        with np.load(path) as f:
+            out = {n: np.asarray(f[n], np.float32) for n in shapes}
+    except (OSError, ValueError, KeyError) as e:
+        logging.warning("ignoring the unreadable frozen log-prob cache %s (%s)", path, e)
+        return None
+    return out if all(out[n].shape == s for n, s in shapes.items()) else None
+
+
+def _write_cache(path, arrays: dict) -> None:
+    if path is None:
+        return
+    try:
+        with atomic_path(path, suffix=".tmp.npz") as tmp:
+            np.savez(tmp, **arrays)
+    except OSError as e:
+        logging.warning("could not keep the frozen log-probs in %s (%s); they are recomputed "
+                        "next time", path, e)
 
 
 def batched_apply(fn, arrays: dict, batch_size: int) -> np.ndarray:

@@ -1,4 +1,6 @@
 """The reward_model and preference tasks end to end on a tiny SFT policy and synthetic pairs."""
+import os
+import shutil
 
 import flax.linen as nn
 import jax
@@ -233,3 +235,37 @@ def test_implicit_prm_ce_task(setup, tmp_path):
         c2 = c.copy_and_resolve_references()
         c2.loss.beta = 0.0
         _task(c2)
+
+
+def test_frozen_logps_are_kept_on_disk_reused_and_invalidated(setup, monkeypatch, tmp_path):
+    """A second task over the same reference and data reads WORKDIR/frozen_logps instead of
+    scoring again, with the same arrays; other data or other params score again."""
+    from icml_jax import tasks
+    from icml_jax.tasks import pairs
+    calls = []
+    real = pairs.batched_apply
+    monkeypatch.setattr(pairs, "batched_apply", lambda *a, **k: calls.append(1) or real(*a, **k))
+    c = _config("dpo", setup)
+    first = _task(c)  # computes, or reads what an earlier test of this module left
+    files = os.listdir(os.path.join(setup["sft"], "frozen_logps"))
+    calls.clear()
+    again = _task(c)
+    assert not calls, "the second task recomputed the reference log-probs"
+    np.testing.assert_array_equal(again.train_arrays["ref_logps"], first.train_arrays["ref_logps"])
+    shutil.rmtree(os.path.join(setup["sft"], "frozen_logps"))  # forced recompute: equal
+    np.testing.assert_array_equal(_task(c).eval_arrays["ref_logps"], first.eval_arrays["ref_logps"])
+    kept = os.listdir(os.path.join(setup["sft"], "frozen_logps"))
+    assert calls and len(kept) == 1 and set(kept) <= set(files)  # the same fingerprint again
+    calls.clear()
+    other = str(tmp_path / "other.jsonl")
+    write_preference_jsonl(other, _pairs(64, 7))  # another dataset
+    c2 = _config("dpo", setup)
+    c2.data.path = other
+    _task(c2)
+    assert calls and len(os.listdir(os.path.join(setup["sft"], "frozen_logps"))) == 2
+    calls.clear()
+    ref, _ = restore_model_params(setup["sft"], c.model)
+    moved = jax.tree.map(lambda x: x + 1e-3, ref)  # another checkpoint of the same model
+    ctx = tasks.TaskContext(num_shards=1, restore_params=lambda wd, m: moved)
+    task = tasks.TASKS.get("preference")(c, ctx)
+    assert calls and not np.array_equal(task.train_arrays["ref_logps"], first.train_arrays["ref_logps"])
