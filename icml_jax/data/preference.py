@@ -199,15 +199,31 @@ def _read_rows(path: str, check) -> list[dict[str, Any]]:
     return rows
 
 
-def _check_unpaired(row: Any, where: str) -> dict[str, Any]:
+def _require_fields(row: Any, where: str, fields: tuple, need: str) -> None:
+    """A JSON object with every one of ``fields``, else an error at ``where`` saying ``need``."""
     if not isinstance(row, dict):
-        raise PreferenceDataError(f"{where}: expected a JSON object with fields 'prompt', "
-                                  f"'completion' and 'label', got {_describe(row)}.")
-    for field in ("prompt", "completion", "label"):
+        raise PreferenceDataError(f"{where}: expected a JSON object with fields "
+                                  f"{', '.join(map(repr, fields))}, got {_describe(row)}.")
+    for field in fields:
         if field not in row:
-            raise PreferenceDataError(
-                f"{where}: missing field {field!r} (fields: {sorted(row)}); every row needs "
-                "'prompt' and 'completion' strings and a boolean (or 0/1) 'label'.")
+            raise PreferenceDataError(f"{where}: missing field {field!r} (fields: {sorted(row)}); "
+                                      f"every row needs {need}.")
+
+
+def _read_file(path: str, check, what: str, fields: tuple) -> list[dict[str, Any]]:
+    """The checked rows of the JSONL file ``path`` (a ``what`` file of ``fields`` objects)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{what} file {path!r} does not exist (or is a folder); point the "
+                                f"config at a JSONL file of {{{', '.join(fields)}}} objects.")
+    rows = _read_rows(path, check)
+    if not rows:
+        raise PreferenceDataError(f"{path}: no rows (the file is empty or only blank lines).")
+    return rows
+
+
+def _check_unpaired(row: Any, where: str) -> dict[str, Any]:
+    _require_fields(row, where, ("prompt", "completion", "label"),
+                    "'prompt' and 'completion' strings and a boolean (or 0/1) 'label'")
     for field in ("prompt", "completion"):
         if not isinstance(row[field], str):
             raise PreferenceDataError(f"{where}: field {field!r} must be a string, got "
@@ -228,14 +244,78 @@ def read_unpaired_jsonl(path: str) -> list[dict[str, Any]]:
     """Reads TRL's unpaired preference format (KTO-style): one ``{"prompt": str, "completion": str,
     "label": bool}`` object per line (label = the completion is desirable / correct); other
     scalar fields are kept. Errors as ``read_preference_jsonl``'s (``path:line: ...``)."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"labelled-completion file {path!r} does not exist (or is a "
-                                "folder); point the config at a JSONL file of {prompt, completion, "
-                                "label} objects.")
-    rows = _read_rows(path, _check_unpaired)
-    if not rows:
-        raise PreferenceDataError(f"{path}: no rows (the file is empty or only blank lines).")
-    return rows
+    return _read_file(path, _check_unpaired, "labelled-completion", ("prompt", "completion", "label"))
+
+
+def _check_stepwise(row: Any, where: str) -> dict[str, Any]:
+    _require_fields(row, where, ("prompt", "completions", "labels"),
+                    "a 'prompt' string, a list of step strings 'completions' and one boolean per "
+                    "step in 'labels' (TRL's stepwise-supervision format)")
+    if not isinstance(row["prompt"], str):
+        raise PreferenceDataError(f"{where}: field 'prompt' must be a string, got "
+                                  f"{_describe(row['prompt'])}.")
+    steps, labels = row["completions"], row["labels"]
+    if not isinstance(steps, list) or not steps or not all(isinstance(s, str) and s for s in steps):
+        raise PreferenceDataError(f"{where}: field 'completions' must be a non-empty list of "
+                                  f"non-empty strings (the steps), got {_describe(steps)}.")
+    if not isinstance(labels, list) or len(labels) != len(steps) or not all(
+            isinstance(x, bool) or (isinstance(x, int) and x in (0, 1)) for x in labels):
+        raise PreferenceDataError(f"{where}: field 'labels' must hold one true/false (or 1/0) per "
+                                  f"step ({len(steps)} steps), got {_describe(labels)}.")
+    return {"prompt": row["prompt"], "completions": list(steps), "labels": [bool(x) for x in labels]}
+
+
+def read_stepwise_jsonl(path: str) -> list[dict[str, Any]]:
+    """Reads TRL's stepwise-supervision format: one ``{"prompt": str, "completions": [str, ...],
+    "labels": [bool, ...]}`` object per line (one label per step: the step is correct). Errors as
+    ``read_preference_jsonl``'s (``path:line: ...``)."""
+    return _read_file(path, _check_stepwise, "step-labelled", ("prompt", "completions", "labels"))
+
+
+def encode_steps(rows: Sequence[Mapping[str, Any]], tokenizer: Any, seq_len: int, *,
+                 max_steps: int, max_prompt_len: int = 0,
+                 separator: str = "\n") -> tuple[dict[str, np.ndarray], dict[str, int]]:
+    """Stepwise rows -> padded arrays, as TRL's PRMTrainer tokenises them: ``[bos] + prompt +
+    (step_1 + separator) + (step_2 + separator) + ...``, each step's label on the LAST token of
+    its ``step + separator``. The prompt is cut from the left to ``max_prompt_len`` (0 = no limit);
+    steps that do not fit in ``seq_len`` whole are dropped (with their labels), and so are steps
+    beyond ``max_steps``.
+
+    Returns (arrays, stats): ``tokens``, ``segment_ids``, ``positions``, ``response_mask`` (the step
+    tokens) int32 [N, T], ``lengths`` int32 [N], ``step_end`` int32 [N, K] (the labelled slots),
+    ``step_mask`` int32 [N, K], ``step_label`` float32 [N, K] (K = ``max_steps``); stats ``{"n",
+    "truncated_prompt", "dropped_steps"}``."""
+    _check_encode_args(seq_len, max_prompt_len)
+    if not isinstance(max_steps, (int, np.integer)) or max_steps < 1:
+        raise ValueError(f"max_steps={max_steps!r} (config.steps.max_steps) must be an integer >= 1")
+    N, K = len(rows), int(max_steps)
+    out = _empty((N, seq_len), tokenizer.pad_id)
+    del out["lengths"]
+    out.update(lengths=np.zeros(N, np.int32), step_end=np.zeros((N, K), np.int32),
+               step_mask=np.zeros((N, K), np.int32), step_label=np.zeros((N, K), np.float32))
+    stats = {"n": N, "truncated_prompt": 0, "dropped_steps": 0}
+    for i, row in enumerate(rows):
+        prompt = list(tokenizer.encode(row["prompt"]))
+        if max_prompt_len and len(prompt) > max_prompt_len:
+            prompt, stats["truncated_prompt"] = prompt[-max_prompt_len:], stats["truncated_prompt"] + 1
+        prompt = prompt[-(seq_len - 2):] if len(prompt) > seq_len - 2 else prompt
+        ids, k = [tokenizer.bos_id] + prompt, 0
+        for step, label in zip(row["completions"], row["labels"]):
+            step_ids = list(tokenizer.encode(step + separator))
+            if k == K or len(ids) + len(step_ids) > seq_len:
+                break
+            ids += step_ids
+            out["step_end"][i, k], out["step_mask"][i, k] = len(ids) - 1, 1
+            out["step_label"][i, k] = float(label)
+            k += 1
+        stats["dropped_steps"] += len(row["completions"]) - k
+        n = len(ids)
+        out["tokens"][i, :n] = ids
+        out["segment_ids"][i, :n] = 1
+        out["positions"][i, :n] = np.arange(n)
+        out["response_mask"][i, 1 + len(prompt):n] = 1
+        out["lengths"][i] = n
+    return out, stats
 
 
 def _json_value(v: Any) -> Any:

@@ -31,3 +31,27 @@ class RewardModel(nn.Module):
 
 def build_reward_model(model_cfg: ml_collections.ConfigDict) -> RewardModel:
     return RewardModel(ml_collections.FrozenConfigDict(model_cfg))
+
+
+class StepClassifier(nn.Module):
+    """A step-labelled process reward model, as TRL's ``PRMTrainer`` trains one: the decoder with
+    a two-class token head (``score`` [F, 2] and ``score_bias`` [2], as ``*ForTokenClassification``
+    with ``num_labels=2``) read at the last token of every step.
+    ``(tokens_BT, positions_BT, segment_ids_BT, step_end_BK) -> logits_BK2`` (float32; class 1 =
+    the step is correct). The decoder's params live under ``backbone``, as in ``RewardModel``."""
+    cfg: ml_collections.ConfigDict
+
+    @nn.compact
+    def __call__(self, tokens_BT, positions_BT, segment_ids_BT, step_end_BK):
+        c = self.cfg
+        h_BTF = Decoder(c, name="backbone")(tokens_BT, positions_BT, segment_ids_BT, features=True)
+        h_BKF = jnp.take_along_axis(h_BTF, step_end_BK[..., None], axis=1).astype(jnp.float32)
+        pdt = get_dtype(c.param_dtype, "config.model.param_dtype")
+        w_F2 = param(self, "score", nn.initializers.normal(c.init_std), (h_BKF.shape[-1], 2),
+                     (None, None), pdt)
+        b_2 = param(self, "score_bias", nn.initializers.zeros, (2,), (None,), pdt)
+        return h_BKF @ w_F2.astype(jnp.float32) + b_2.astype(jnp.float32)
+
+
+def build_step_classifier(model_cfg: ml_collections.ConfigDict) -> StepClassifier:
+    return StepClassifier(ml_collections.FrozenConfigDict(model_cfg))
