@@ -277,14 +277,14 @@ def encode_steps(rows: Sequence[Mapping[str, Any]], tokenizer: Any, seq_len: int
                  separator: str = "\n") -> tuple[dict[str, np.ndarray], dict[str, int]]:
     """Stepwise rows -> padded arrays, as TRL's PRMTrainer tokenises them: ``[bos] + prompt +
     (step_1 + separator) + (step_2 + separator) + ...``, each step's label on the LAST token of
-    its ``step + separator``. The prompt is cut from the left to ``max_prompt_len`` (0 = no limit);
-    steps that do not fit in ``seq_len`` whole are dropped (with their labels), and so are steps
-    beyond ``max_steps``.
+    its ``step + separator``. The prompt keeps its last tokens: at most ``max_prompt_len`` (0 = no
+    limit) and few enough for the first step to fit (at least one). Steps that do not fit in
+    ``seq_len`` whole are dropped (with their labels), and so are steps beyond ``max_steps``.
 
     Returns (arrays, stats): ``tokens``, ``segment_ids``, ``positions``, ``response_mask`` (the step
     tokens) int32 [N, T], ``lengths`` int32 [N], ``step_end`` int32 [N, K] (the labelled slots),
     ``step_mask`` int32 [N, K], ``step_label`` float32 [N, K] (K = ``max_steps``); stats ``{"n",
-    "truncated_prompt", "dropped_steps"}``."""
+    "truncated_prompt", "dropped_steps", "rows_with_dropped_steps"}``."""
     _check_encode_args(seq_len, max_prompt_len)
     if not isinstance(max_steps, (int, np.integer)) or max_steps < 1:
         raise ValueError(f"max_steps={max_steps!r} (config.steps.max_steps) must be an integer >= 1")
@@ -293,15 +293,18 @@ def encode_steps(rows: Sequence[Mapping[str, Any]], tokenizer: Any, seq_len: int
     del out["lengths"]
     out.update(lengths=np.zeros(N, np.int32), step_end=np.zeros((N, K), np.int32),
                step_mask=np.zeros((N, K), np.int32), step_label=np.zeros((N, K), np.float32))
-    stats = {"n": N, "truncated_prompt": 0, "dropped_steps": 0}
+    stats = {"n": N, "truncated_prompt": 0, "dropped_steps": 0, "rows_with_dropped_steps": 0}
     for i, row in enumerate(rows):
         prompt = list(tokenizer.encode(row["prompt"]))
-        if max_prompt_len and len(prompt) > max_prompt_len:
-            prompt, stats["truncated_prompt"] = prompt[-max_prompt_len:], stats["truncated_prompt"] + 1
-        prompt = prompt[-(seq_len - 2):] if len(prompt) > seq_len - 2 else prompt
+        steps = [list(tokenizer.encode(s + separator)) for s in row["completions"]]
+        # the prompt keeps its last tokens: max_prompt_len, and room for the first step (>= 1 kept)
+        keep = max(min(len(prompt), 1), seq_len - 1 - len(steps[0]))
+        if max_prompt_len:
+            keep = min(keep, max_prompt_len)
+        if keep < len(prompt):
+            prompt, stats["truncated_prompt"] = prompt[len(prompt) - keep:], stats["truncated_prompt"] + 1
         ids, k = [tokenizer.bos_id] + prompt, 0
-        for step, label in zip(row["completions"], row["labels"]):
-            step_ids = list(tokenizer.encode(step + separator))
+        for step_ids, label in zip(steps, row["labels"]):
             if k == K or len(ids) + len(step_ids) > seq_len:
                 break
             ids += step_ids
@@ -309,6 +312,7 @@ def encode_steps(rows: Sequence[Mapping[str, Any]], tokenizer: Any, seq_len: int
             out["step_label"][i, k] = float(label)
             k += 1
         stats["dropped_steps"] += len(row["completions"]) - k
+        stats["rows_with_dropped_steps"] += k < len(row["completions"])
         n = len(ids)
         out["tokens"][i, :n] = ids
         out["segment_ids"][i, :n] = 1

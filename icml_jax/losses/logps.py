@@ -14,15 +14,19 @@ import jax.numpy as jnp
 
 
 def token_logprobs(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
-    """float32 [B, T]: log softmax(logits)[target] per slot (next-token targets already
-    aligned with the logits)."""
-    logp = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
+    """float32 [B, T] (float64 for float64 logits): log softmax(logits)[target] per slot
+    (next-token targets already aligned with the logits)."""
+    logp = jax.nn.log_softmax(_at_least_f32(logits_BTV), axis=-1)
     return jnp.take_along_axis(logp, targets_BT[..., None], axis=-1)[..., 0]
 
 
 def log_normalizer(logits_BTV: jax.Array) -> jax.Array:
-    """float32 [B, T]: log Z = logsumexp over the vocabulary per slot."""
-    return jax.nn.logsumexp(logits_BTV.astype(jnp.float32), axis=-1)
+    """float32 [B, T] (float64 for float64 logits): log Z = logsumexp over the vocabulary."""
+    return jax.nn.logsumexp(_at_least_f32(logits_BTV), axis=-1)
+
+
+def _at_least_f32(x):
+    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
 
 def with_z_loss(nll_sum, logits_BTV, w_BT, coef: float):

@@ -67,7 +67,7 @@ class Decoder(nn.Module):
         if features:
             # the residual stream's norm per token before the final norm, float32 [B, T]: a
             # diagnostic that exists only when the caller makes "diagnostics" mutable
-            sq = sum(jnp.sum(jnp.square(upcast(x)).reshape(x.shape[:2] + (-1,)), -1)
+            sq = sum(jnp.sum(jnp.square(upcast(x)), axis=tuple(range(2, x.ndim)))
                      for x in jax.tree.leaves(h) if jnp.issubdtype(x.dtype, jnp.floating))
             self.sow("diagnostics", "residual_norm", jnp.sqrt(sq))
         return io.features(h) if features else io.unembed(h)

@@ -309,8 +309,8 @@ def extend_fope_params(params, new_model_cfg, key, fresh_init: bool = True):
 
 # ----------------------------------------------------------------------------- ALiBi
 
-def alibi_slopes(num_heads: int) -> np.ndarray:
-    """ALiBi head slopes, float32 [H] (Press et al. 2022): the geometric sequence 2^(-8i/n),
+def alibi_slopes(num_heads: int, dtype=np.float32) -> np.ndarray:
+    """ALiBi head slopes [H] in ``dtype`` (Press et al. 2022): the geometric sequence 2^(-8i/n),
     i = 1..n, for n = H a power of two; otherwise the slopes of the largest power of two n < H
     followed by every other slope of 2n (odd i) until H slopes are filled."""
     def geometric(n):
@@ -319,7 +319,7 @@ def alibi_slopes(num_heads: int) -> np.ndarray:
     slopes = geometric(n)
     if n < num_heads:
         slopes += geometric(2 * n)[0::2][: num_heads - n]
-    return np.asarray(slopes, np.float32)
+    return np.asarray(slopes, dtype)
 
 
 @POSITIONS.register("alibi")
@@ -329,8 +329,9 @@ class ALiBi(PositionEmbedding):
 
     def bias(self, q_pos_BT, k_pos_BS):
         G, H = self.cfg.num_kv_heads, self.cfg.num_heads
-        slopes_GR = jnp.asarray(alibi_slopes(H).reshape(G, H // G))
-        return -slopes_GR[None, :, :, None, None] * alibi_distance(q_pos_BT, k_pos_BS)[:, None, None]
+        dt = jnp.promote_types(get_dtype(self.cfg.dtype), jnp.float32)  # float64 models: float64
+        slopes_GR = jnp.asarray(alibi_slopes(H, dt).reshape(G, H // G))
+        return -slopes_GR[None, :, :, None, None] * alibi_distance(q_pos_BT, k_pos_BS, dt)[:, None, None]
 
 
 def alibi_distance(q_pos_BT, k_pos_BS, dtype=jnp.float32):

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from icml_jax.models.decoder import Decoder
-from icml_jax.models.layers import get_dtype, param
+from icml_jax.models.layers import get_dtype, param, upcast
 
 
 class RewardModel(nn.Module):
@@ -23,10 +23,10 @@ class RewardModel(nn.Module):
     def __call__(self, tokens_BT, positions_BT, segment_ids_BT, index_B):
         c = self.cfg
         h_BTF = Decoder(c, name="backbone")(tokens_BT, positions_BT, segment_ids_BT, features=True)
-        h_BF = jnp.take_along_axis(h_BTF, index_B[:, None, None], axis=1)[:, 0].astype(jnp.float32)
+        h_BF = upcast(jnp.take_along_axis(h_BTF, index_B[:, None, None], axis=1)[:, 0])
         w_F1 = param(self, "score", nn.initializers.normal(c.init_std), (h_BF.shape[-1], 1),
                      (None, None), get_dtype(c.param_dtype, "config.model.param_dtype"))
-        return (h_BF @ w_F1.astype(jnp.float32))[:, 0], h_BF
+        return (h_BF @ w_F1.astype(h_BF.dtype))[:, 0], h_BF
 
 
 def build_reward_model(model_cfg: ml_collections.ConfigDict) -> RewardModel:
@@ -45,12 +45,12 @@ class StepClassifier(nn.Module):
     def __call__(self, tokens_BT, positions_BT, segment_ids_BT, step_end_BK):
         c = self.cfg
         h_BTF = Decoder(c, name="backbone")(tokens_BT, positions_BT, segment_ids_BT, features=True)
-        h_BKF = jnp.take_along_axis(h_BTF, step_end_BK[..., None], axis=1).astype(jnp.float32)
+        h_BKF = upcast(jnp.take_along_axis(h_BTF, step_end_BK[..., None], axis=1))
         pdt = get_dtype(c.param_dtype, "config.model.param_dtype")
         w_F2 = param(self, "score", nn.initializers.normal(c.init_std), (h_BKF.shape[-1], 2),
                      (None, None), pdt)
         b_2 = param(self, "score_bias", nn.initializers.zeros, (2,), (None,), pdt)
-        return h_BKF @ w_F2.astype(jnp.float32) + b_2.astype(jnp.float32)
+        return h_BKF @ w_F2.astype(h_BKF.dtype) + b_2.astype(h_BKF.dtype)
 
 
 def build_step_classifier(model_cfg: ml_collections.ConfigDict) -> StepClassifier:

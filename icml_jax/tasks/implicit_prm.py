@@ -31,6 +31,7 @@ from icml_jax.tasks.pairs import PairTask, as_sums, response_logps_fn
 class ImplicitPRMTask(PairTask):
     example_shape = ()
     loss_unit = "responses"
+    data_format = "prompt/completion/label per line, TRL's unpaired format"
 
     def __init__(self, config: ml_collections.ConfigDict, context=None):
         super().__init__(config, context)

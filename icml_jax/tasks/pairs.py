@@ -11,6 +11,7 @@ the (micro-)batches' means, as a PyTorch trainer does with gradient accumulation
 import hashlib
 import json
 import os
+import zipfile
 
 import jax
 import jax.numpy as jnp
@@ -51,15 +52,16 @@ class PairTask(Task):
 
     loss_unit = "pairs"
     reports_perplexity = False
+    data_format = "prompt/chosen/rejected per line"
 
     def __init__(self, config: ml_collections.ConfigDict, context=None):
         super().__init__(config, context)
         d, t = config.data, config.train
         if d.name != "preference_jsonl" or not d.path:
             raise ValueError(
-                f"config.task={config.task!r} trains on preference pairs: set "
+                f"config.task={config.task!r} reads a JSONL data file: set "
                 f"config.data.name='preference_jsonl' (got {d.name!r}) and config.data.path to a "
-                "TRL-format JSONL file (prompt/chosen/rejected per line)")
+                f"TRL-format JSONL file ({self.data_format})")
         self.tokens_per_unit = 2 * d.seq_len
         if self.context.num_shards is None:
             shape = mesh_shape(config.mesh, jax.device_count())
@@ -107,9 +109,10 @@ class PairTask(Task):
 
         The arrays are also kept on disk, in ``WORKDIR/frozen_logps/<fingerprint>.npz`` of the
         frozen run, and reused by every later run that asks for the same ones (a DPO and a TGDPO
-        run from one SFT reference compute them once). The fingerprint covers exactly what they
-        depend on: the params' bytes, the token / position / segment / response-mask arrays
-        (so the dataset, tokenizer and truncation), the model config and the scoring batch.
+        run from one SFT reference compute them once). The fingerprint covers what they depend
+        on: the params' bytes, the token / position / segment / response-mask arrays (so the
+        dataset, tokenizer and truncation), the model config, the scoring batch, the source of
+        ``models/`` and ``losses/logps.py``, and the JAX version, backend and device kind.
         Single-process runs only (a multi-process run computes them, as before); a folder that
         cannot be written is skipped with a warning."""
         if self.context.restore_params is None:
@@ -153,9 +156,30 @@ class PairTask(Task):
 _SCORED_KEYS = ("tokens", "positions", "segment_ids", "response_mask")
 
 
+_CODE = ("models", os.path.join("losses", "logps.py"))  # what computes the log-probs
+
+
+def _code_digest() -> str:
+    """sha256 of the source that computes the log-probs (the model package and logps.py)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    h = hashlib.sha256()
+    for rel in _CODE:
+        path = os.path.join(root, rel)
+        files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".py")) \
+            if os.path.isdir(path) else [path]
+        for f in files:
+            with open(f, "rb") as fh:
+                h.update(fh.read())
+    return h.hexdigest()
+
+
 def _fingerprint(params, rows: dict, model_cfg, batch: int) -> str:
-    h = hashlib.sha256(json.dumps({"model": json.loads(model_cfg.to_json_best_effort()),
-                                   "batch": batch, "version": 1}, sort_keys=True).encode())
+    """What the log-probs depend on: the params' bytes, the scored arrays, the model config, the
+    scoring batch, the code and the platform (JAX version, backend, device kind)."""
+    h = hashlib.sha256(json.dumps({
+        "model": json.loads(model_cfg.to_json_best_effort()), "batch": batch, "code": _code_digest(),
+        "jax": jax.__version__, "backend": jax.default_backend(),
+        "device": jax.devices()[0].device_kind}, sort_keys=True).encode())
     for leaf in jax.tree.leaves(params):
         x = np.asarray(jax.device_get(leaf))
         h.update(f"{x.dtype}{x.shape}".encode())
@@ -174,7 +198,7 @@ def _read_cache(path, shapes: dict):
     try:
         with np.load(path) as f:
             out = {n: np.asarray(f[n], np.float32) for n in shapes}
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
         logging.warning("ignoring the unreadable frozen log-prob cache %s (%s)", path, e)
         return None
     return out if all(out[n].shape == s for n, s in shapes.items()) else None
@@ -185,7 +209,7 @@ def _write_cache(path, arrays: dict) -> None:
         return
     try:
         with atomic_path(path, suffix=".tmp.npz") as tmp:
-            np.savez(tmp, **arrays)
+            np.savez_compressed(tmp, **arrays)
     except OSError as e:
         logging.warning("could not keep the frozen log-probs in %s (%s); they are recomputed "
                         "next time", path, e)

@@ -29,17 +29,22 @@ from icml_jax.tasks.pairs import PairTask, as_sums, batched_apply, flat
 REWARD_POSITIONS = ("last", "last_response_token")
 
 
-def score_index(tokens_NT, lengths_N, eos_id: int, position: str = "last"):
+def score_index(tokens_NT, lengths_N, eos_id: int, position: str = "last", response_mask_NT=None):
     """The slot the reward is read at, int32 [N]. ``last``: the last real token (``lengths - 1``:
     the appended eos with ``config.data.add_eos``; TRL's last non-padding token).
     ``last_response_token``: the response's own last token, i.e. one slot earlier when the row
     ends with an eos (a backbone trained on packed LM rows has seen eos only as a target, so its
-    hidden state there hardly depends on the response; docs/methods/bsr.md)."""
+    hidden state there hardly depends on the response; docs/methods/bsr.md). With
+    ``response_mask_NT`` it never steps back onto the prompt (an empty response: its eos)."""
     last_N = jnp.maximum(lengths_N - 1, 0)
     if position == "last":
         return last_N
     ends_with_eos = jnp.take_along_axis(tokens_NT, last_N[:, None], axis=1)[:, 0] == eos_id
-    return jnp.where(ends_with_eos & (last_N > 0), last_N - 1, last_N)
+    back = ends_with_eos & (last_N > 0)
+    if response_mask_NT is not None:
+        prev_N = jnp.maximum(last_N - 1, 0)
+        back &= jnp.take_along_axis(response_mask_NT, prev_N[:, None], axis=1)[:, 0] > 0
+    return jnp.where(back, last_N - 1, last_N)
 
 
 @TASKS.register("reward_model")
@@ -67,10 +72,11 @@ class RewardModelTask(PairTask):
                                flat(batch["lengths"]) - 1)["params"]
 
     def apply(self, params, tokens_NT, positions_NT, segment_ids_NT, lengths_N,
-              with_residual: bool = False):
+              response_mask_NT=None, with_residual: bool = False):
         """(rewards [N], final hidden states at the scoring token [N, F]) of single sequences;
         ``with_residual`` adds the residual stream's norm there before the final norm [N]."""
-        index_N = score_index(tokens_NT, lengths_N, self.tokenizer.eos_id, self.reward_position)
+        index_N = score_index(tokens_NT, lengths_N, self.tokenizer.eos_id, self.reward_position,
+                              response_mask_NT)
         if not with_residual:
             return self.model.apply({"params": params}, tokens_NT, positions_NT, segment_ids_NT,
                                     index_N)
@@ -83,7 +89,8 @@ class RewardModelTask(PairTask):
         L, t = self.config.loss, self.config.train
         B = batch["tokens"].shape[0]
         r, h, res = self.apply(params, flat(batch["tokens"]), flat(batch["positions"]),
-                               flat(batch["segment_ids"]), flat(batch["lengths"]), with_residual=True)
+                               flat(batch["segment_ids"]), flat(batch["lengths"]),
+                               flat(batch["response_mask"]), with_residual=True)
         r_B2 = r.reshape(B, 2)
         w = batch["weight"]
         loss, m = reward_loss(r_B2[:, 0], r_B2[:, 1], variant=L.variant, margin=L.margin,
@@ -105,12 +112,13 @@ class RewardModelTask(PairTask):
     def score(self, params, arrays: dict, batch_size: int = 64):
         """Rewards and hidden-state norms of single sequences (``encode_responses`` arrays):
         (rewards [N], hidden norms [N]) as float32 numpy."""
-        keys = ("tokens", "positions", "segment_ids", "lengths")
+        keys = ("tokens", "positions", "segment_ids", "lengths", "response_mask")
         out = batched_apply(lambda b: self._score(params, b), {k: arrays[k] for k in keys},
                             batch_size)
         return out[:, 0], out[:, 1]
 
     def _score_rows(self, params, b):
-        r, h = self.apply(params, b["tokens"], b["positions"], b["segment_ids"], b["lengths"])
+        r, h = self.apply(params, b["tokens"], b["positions"], b["segment_ids"], b["lengths"],
+                          b["response_mask"])
         return jnp.stack([r, jnp.linalg.norm(h, axis=-1)], -1)
 

@@ -7,31 +7,33 @@ str, "completions": [step, ...], "labels": [bool, ...]}`` per line
 separator) + ...`` with each step's label on the last token of ``step + separator``
 (``encode_steps``; ``config.steps.separator``, ``config.steps.max_steps``). Model:
 ``icml_jax.models.reward.StepClassifier`` (two-class head on the decoder; ``backbone`` params, so
-``config.train.init_from`` loads an LM there). Loss: cross-entropy over the labelled steps of a
-batch, their mean as TRL takes it; metrics ``accuracy`` (steps) and ``rewards/correct`` /
-``rewards/incorrect`` (mean logit margin on correct / wrong steps).
+``config.train.init_from`` loads an LM there). Loss: cross-entropy over the labelled steps, their
+mean as TRL takes it (the count is steps: ``loss_unit="steps"``); metrics ``accuracy`` (of the
+steps) and ``positive_rate`` (the share of steps labelled correct: accuracy's chance level).
 """
 import jax
 import jax.numpy as jnp
 import ml_collections
 
 from icml_jax.data import preference as pref_data
-from icml_jax.losses import weighted_mean
 from icml_jax.models.reward import build_step_classifier
 from icml_jax.tasks import TASKS
-from icml_jax.tasks.pairs import PairTask, as_sums
+from icml_jax.tasks.pairs import PairTask
 
 
 @TASKS.register("step_prm")
 class StepPRMTask(PairTask):
     example_shape = ()
-    loss_unit = "responses"
+    loss_unit = "steps"
+    data_format = "prompt/completions/labels per line, TRL's stepwise supervision"
     pretrained_key = "backbone"
     can_sample = False
 
     def __init__(self, config: ml_collections.ConfigDict, context=None):
         super().__init__(config, context)
-        self.tokens_per_unit = config.data.seq_len
+        # throughput per labelled step: the padded tokens per step of the training set
+        steps = max(int(self.train_arrays["step_mask"].sum()), 1)
+        self.tokens_per_unit = self.train_arrays["tokens"].size / steps
         self.model = build_step_classifier(config.model)
 
     def load(self, path: str):
@@ -40,7 +42,7 @@ class StepPRMTask(PairTask):
             pref_data.read_stepwise_jsonl(path), self.tokenizer, d.seq_len,
             max_steps=self.config.steps.max_steps, max_prompt_len=d.max_prompt_len,
             separator=self.config.steps.separator)
-        return arrays, {**stats, "truncated_response": stats["dropped_steps"]}
+        return arrays, {**stats, "truncated_response": stats["rows_with_dropped_steps"]}
 
     def extra_dummies(self, batch_size: int):
         K = self.config.steps.max_steps
@@ -62,8 +64,8 @@ class StepPRMTask(PairTask):
         y = batch["step_label"].astype(jnp.int32)
         ce = -jnp.take_along_axis(jax.nn.log_softmax(logits, -1), y[..., None], axis=-1)[..., 0]
         w = batch["step_mask"].astype(jnp.float32) * batch["weight"][:, None]
-        margin = logits[..., 1] - logits[..., 0]
-        metrics = {"accuracy": weighted_mean((jnp.argmax(logits, -1) == y).astype(jnp.float32), w),
-                   "rewards/correct": weighted_mean(margin, w * (y == 1)),
-                   "rewards/incorrect": weighted_mean(margin, w * (y == 0))}
-        return as_sums(weighted_mean(ce, w), metrics, batch["weight"])
+        right = (jnp.argmax(logits, -1) == y).astype(jnp.float32)
+        # sums over the labelled steps and their count: the trainer's means are over all steps
+        # of all (micro-)batches, TRL's mean over labelled tokens
+        return jnp.sum(ce * w), jnp.sum(w), {"accuracy": jnp.sum(right * w),
+                                             "positive_rate": jnp.sum(y * w)}

@@ -37,6 +37,11 @@ def test_the_reward_is_read_at_the_documented_token(tokenizers, kind, add_eos):
         assert t[resp[i]] == tok.encode(r)[-1] and t[resp[i]] != tok.eos_id
         assert arrays["response_mask"][i][resp[i]] == 1  # a response token, not the prompt's
     assert REWARD_POSITIONS == ("last", "last_response_token")
+    if add_eos:  # an empty response is its eos alone: never step back onto the prompt
+        e, _ = encode_responses(["romeo "], [""], tok, 48, add_eos=True)
+        idx = score_index(jnp.asarray(e["tokens"]), jnp.asarray(e["lengths"]), tok.eos_id,
+                          "last_response_token", jnp.asarray(e["response_mask"]))
+        assert int(idx[0]) == int(e["lengths"][0]) - 1
 
 
 def test_the_task_reads_the_configured_position_and_refuses_others(tmp_path):
