@@ -248,8 +248,10 @@ def reading(agg: dict, arms, seeds, refs, n_val_pairs: int) -> list[str]:
     if not all(learned.values()):
         lines.append(
             f"* **Caveat first: {' and '.join(ARM_LABEL[x] for x in learned if not learned[x])} "
-            f"did not learn beyond chance** (val_in accuracy ≤ {chance:.3f}, i.e. within two "
-            f"binomial standard errors of 0.5 over {n_val_pairs} pairs). A reward model at chance "
+            f"did not learn beyond chance** (val_in accuracy "
+            + ", ".join(f"{ARM_LABEL[x]} {agg[x]['accuracy'][0]:.3f}" for x in learned if not learned[x])
+            + f" ≤ {chance:.3f}, the chance bound: 0.5 plus two binomial standard errors over "
+            f"{n_val_pairs} pairs). A reward model at chance "
             "ranks responses by features unrelated to gold, so the τ, dispersion and best-of-N "
             "differences below say nothing about the paper's claims; they are reported as measured.")
     da = bs["accuracy"][0] - bt["accuracy"][0]
