@@ -29,8 +29,7 @@ holds the paper's parameter-count formulas.
 import ml_collections
 
 from icml_jax.models.residual import RESIDUALS, matmul_params  # noqa: F401  (re-exported)
-from icml_jax.models.residual import transformer_paper_forward_flops  # noqa: F401
-from icml_jax.models.rmt import rmt_matmul_flops_per_token, rmt_paper_forward_flops  # noqa: F401
+from icml_jax.models.rmt import rmt_matmul_flops_per_token  # noqa: F401  (re-exported)
 
 
 def param_count(m: ml_collections.ConfigDict) -> int:

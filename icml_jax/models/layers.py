@@ -22,10 +22,15 @@ def get_dtype(name: str, key: str = "config.model.dtype"):
     return _DTYPES[name]
 
 
-def upcast(x: jax.Array) -> jax.Array:
-    """``x`` in at least float32, the precision of norms, softmax and logits: bfloat16, float16
+def wide_dtype(dtype) -> jnp.dtype:
+    """At least float32, the precision of norms, softmax, positions and logits: bfloat16, float16
     and float32 give float32 (as before float64 existed), float64 stays float64."""
-    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def upcast(x: jax.Array) -> jax.Array:
+    """``x`` in ``wide_dtype(x.dtype)``."""
+    return x.astype(wide_dtype(x.dtype))
 
 
 def param(module: nn.Module, name: str, init_fn, shape: Sequence[int], axes: Sequence[str | None],

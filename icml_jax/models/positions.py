@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from icml_jax.models.layers import get_dtype, param, upcast
+from icml_jax.models.layers import get_dtype, param, upcast, wide_dtype
 from icml_jax.registry import Registry
 
 POSITIONS = Registry("position embedding", "config.model.position")
@@ -90,7 +90,7 @@ def apply_rotary(x, pos, inv_freq):
     """Half-split rotation (the layout HF Llama checkpoints use) of x [B, T, ..., K] at pos [B, T].
 
     Computed in float32 (float64 for a float64 x), returned in x's dtype."""
-    ang = pos.astype(jnp.promote_types(x.dtype, jnp.float32))[..., None] * inv_freq  # [B, T, K/2]
+    ang = pos.astype(wide_dtype(x.dtype))[..., None] * inv_freq  # [B, T, K/2]
     ang = ang.reshape(ang.shape[:2] + (1,) * (x.ndim - 3) + ang.shape[-1:])
     return apply_cos_sin(x, jnp.cos(ang), jnp.sin(ang))
 
@@ -144,7 +144,7 @@ class RoPE(PositionEmbedding):
                              "of channels; use an even head_dim")
 
     def inv_freq(self, head_dim: int):
-        dt = jnp.promote_types(get_dtype(self.cfg.dtype), jnp.float32)  # float64 models: float64
+        dt = wide_dtype(get_dtype(self.cfg.dtype))  # float64 models: float64
         inv = rope_inv_freq(head_dim, self.cfg.rope_theta, self.cfg.rope_scaling, dt)
         if self.cfg.get("rope_floor_clip", False):
             floor = np.float32(2 * math.pi / training_length(self.cfg)
@@ -329,7 +329,7 @@ class ALiBi(PositionEmbedding):
 
     def bias(self, q_pos_BT, k_pos_BS):
         G, H = self.cfg.num_kv_heads, self.cfg.num_heads
-        dt = jnp.promote_types(get_dtype(self.cfg.dtype), jnp.float32)  # float64 models: float64
+        dt = wide_dtype(get_dtype(self.cfg.dtype))  # float64 models: float64
         slopes_GR = jnp.asarray(alibi_slopes(H, dt).reshape(G, H // G))
         return -slopes_GR[None, :, :, None, None] * alibi_distance(q_pos_BT, k_pos_BS, dt)[:, None, None]
 

@@ -68,7 +68,7 @@ import ml_collections
 import numpy as np
 
 from icml_jax.models.attention import NEG_INF, KVCache, attention_mask
-from icml_jax.models.layers import constrain, get_dtype, param, upcast
+from icml_jax.models.layers import constrain, get_dtype, param, upcast, wide_dtype
 from icml_jax.models.mlp import ACTIVATIONS
 from icml_jax.models.positions import alibi_distance
 from icml_jax.models.residual import RESIDUALS, OptimizerGroups, Stream, mlp_matrices
@@ -271,7 +271,7 @@ class RMTIO(nn.Module):
         """Final norm -> R retrievals -> logits float32 [B, T, V]."""
         u_BTRE = retrieve(self.final_norm(h.x), self.unembed_retrieve)
         logits = jnp.einsum("BTRE,REV->BTV", u_BTRE, self.unembed_REV.astype(u_BTRE.dtype),
-                            preferred_element_type=jnp.promote_types(u_BTRE.dtype, jnp.float32))
+                            preferred_element_type=wide_dtype(u_BTRE.dtype))
         logits = upcast(logits) * output_multiplier(self.cfg)
         return constrain(logits, ("batch", "length", "act_vocab"))
 

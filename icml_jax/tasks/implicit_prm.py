@@ -24,7 +24,7 @@ from icml_jax.data import preference as pref_data
 from icml_jax.losses import implicit_prm as ip
 from icml_jax.models import build_model
 from icml_jax.tasks import TASKS
-from icml_jax.tasks.pairs import PairTask, as_sums, response_logps_fn
+from icml_jax.tasks.pairs import PairTask, as_sums
 
 
 @TASKS.register("implicit_prm")
@@ -40,12 +40,11 @@ class ImplicitPRMTask(PairTask):
         if not L.beta > 0:
             raise ValueError(f"config.loss.beta must be > 0, got {L.beta}")
         self.model = build_model(config.model)
-        self._token_logps = response_logps_fn(self.model)
         reference = L.reference or config.train.init_from
         if not reference:
             raise ValueError("config.task='implicit_prm' needs the frozen reference (the "
                              "generator): set config.train.init_from or config.loss.reference")
-        self.cache_frozen_logps("ref_logps", reference, "config.loss.reference", self.model)
+        self.cache_frozen_logps("ref_logps", reference, "config.loss.reference")
 
     def load(self, path: str):
         d = self.config.data
@@ -64,7 +63,7 @@ class ImplicitPRMTask(PairTask):
 
     def loss(self, params, batch):
         L = self.config.loss
-        lp = self._token_logps(params, batch)
+        lp = self.token_logps(params, batch)
         lr = ip.token_log_ratios(lp, batch["ref_logps"], jnp.zeros(lp.shape[:1], jnp.int32),
                                  batch["response_mask"])
         r = ip.outcome_reward(lr, L.beta)

@@ -56,6 +56,7 @@ class PairTask(Task):
 
     def __init__(self, config: ml_collections.ConfigDict, context=None):
         super().__init__(config, context)
+        self._token_logps = None  # built at first use, once self.model exists
         d, t = config.data, config.train
         if d.name != "preference_jsonl" or not d.path:
             raise ValueError(
@@ -102,10 +103,17 @@ class PairTask(Task):
         """Stand-ins for per-example arrays the task's data adds (e.g. labels)."""
         return {}
 
-    def cache_frozen_logps(self, key: str, workdir: str, where: str, model):
+    def token_logps(self, params, batch):
+        """Per-token response log-probs of ``self.model`` on example rows [N, T]: one jitted
+        function per task, shared by the loss and the frozen-model caches (one compile)."""
+        if self._token_logps is None:
+            self._token_logps = response_logps_fn(self.model)
+        return self._token_logps(params, batch)
+
+    def cache_frozen_logps(self, key: str, workdir: str, where: str):
         """Adds ``key``: the per-token log-probs (float32, aligned with ``tokens``) of every train
-        and eval example under the frozen decoder ``model`` whose params are ``workdir``'s newest
-        checkpoint. The params are dropped afterwards: only the arrays stay.
+        and eval example under the frozen decoder ``self.model`` (the same architecture) whose
+        params are ``workdir``'s newest checkpoint. The params are dropped afterwards: only the arrays stay.
 
         The arrays are also kept on disk, in ``WORKDIR/frozen_logps/<fingerprint>.npz`` of the
         frozen run, and reused by every later run that asks for the same ones (a DPO and a TGDPO
@@ -132,8 +140,7 @@ class PairTask(Task):
                                 _fingerprint(params, rows, self.config.model, batch) + ".npz")
         cached = _read_cache(path, {n: splits[n]["tokens"].shape for n in splits})
         if cached is None:
-            fn = response_logps_fn(model)
-            cached = {name: batched_apply(lambda b: fn(params, b), r, batch).reshape(
+            cached = {name: batched_apply(lambda b: self.token_logps(params, b), r, batch).reshape(
                 splits[name]["tokens"].shape) for name, r in rows.items()}
             _write_cache(path, cached)
         for name, arrays in splits.items():

@@ -22,7 +22,7 @@ from icml_jax.losses import PREFERENCE_LOSSES, dpo_loss, sequence_logps, weighte
 from icml_jax.losses import tgdpo_loss
 from icml_jax.models import build_model
 from icml_jax.tasks import TASKS
-from icml_jax.tasks.pairs import PairTask, as_sums, flat, response_logps_fn
+from icml_jax.tasks.pairs import PairTask, as_sums, flat
 
 
 @TASKS.register("preference")
@@ -36,14 +36,13 @@ class PreferenceTask(PairTask):
         dpo_loss(jnp.zeros(1), jnp.zeros(1), jnp.zeros(1), jnp.zeros(1), beta=L.beta,
                  label_smoothing=L.label_smoothing)  # fail on bad values now
         self.model = build_model(config.model)
-        self._token_logps = response_logps_fn(self.model)
         reference = L.reference or config.train.init_from
         if not L.reference_free:
             if not reference:
                 raise ValueError("config.loss.type=%r needs a frozen reference: set "
                                  "config.train.init_from (the SFT workdir) or config.loss.reference, "
                                  "or config.loss.reference_free=True" % L.type)
-            self.cache_frozen_logps("ref_logps", reference, "config.loss.reference", self.model)
+            self.cache_frozen_logps("ref_logps", reference, "config.loss.reference")
         if L.type == "tgdpo":
             if not L.guidance:
                 raise ValueError("config.loss.type='tgdpo' needs the guidance policy pi_r: set "
@@ -52,7 +51,7 @@ class PreferenceTask(PairTask):
             if L.reference_free:
                 raise ValueError("TGDPO's token reward is a log-ratio against the reference: "
                                  "config.loss.reference_free must be False")
-            self.cache_frozen_logps("guide_logps", L.guidance, "config.loss.guidance", self.model)
+            self.cache_frozen_logps("guide_logps", L.guidance, "config.loss.guidance")
 
     def init_params(self, rng, batch):
         return self.model.init(rng, flat(batch["tokens"]), flat(batch["positions"]),
@@ -61,7 +60,7 @@ class PreferenceTask(PairTask):
     def loss(self, params, batch):
         L = self.config.loss
         B, _, T = batch["tokens"].shape
-        lp = self._token_logps(params, {k: flat(batch[k]) for k in
+        lp = self.token_logps(params, {k: flat(batch[k]) for k in
                                         ("tokens", "positions", "segment_ids", "response_mask")})
         lp = lp.reshape(B, 2, T)
         mask, w = batch["response_mask"], batch["weight"]

@@ -36,6 +36,9 @@ def score_index(tokens_NT, lengths_N, eos_id: int, position: str = "last", respo
     ends with an eos (a backbone trained on packed LM rows has seen eos only as a target, so its
     hidden state there hardly depends on the response; docs/methods/bsr.md). With
     ``response_mask_NT`` it never steps back onto the prompt (an empty response: its eos)."""
+    if position not in REWARD_POSITIONS:
+        raise ValueError(f"unknown config.loss.reward_position {position!r}; choose one of "
+                         f"{REWARD_POSITIONS}")
     last_N = jnp.maximum(lengths_N - 1, 0)
     if position == "last":
         return last_N
@@ -57,9 +60,8 @@ class RewardModelTask(PairTask):
         self.model = build_reward_model(config.model)
         # runs saved before the key existed read at the last token
         self.reward_position = config.loss.get("reward_position", "last")
-        if self.reward_position not in REWARD_POSITIONS:
-            raise ValueError(f"unknown config.loss.reward_position {self.reward_position!r}; "
-                             f"choose one of {REWARD_POSITIONS}")
+        score_index(jnp.zeros((1, 2), jnp.int32), jnp.ones(1, jnp.int32), 0,
+                    self.reward_position)  # fail on an unknown position now
         self._score = jax.jit(self._score_rows)
         L = config.loss
         # fail on a bad loss setting now, not at the first traced step

@@ -11,11 +11,11 @@ separator) + ...`` with each step's label on the last token of ``step + separato
 mean as TRL takes it (the count is steps: ``loss_unit="steps"``); metrics ``accuracy`` (of the
 steps) and ``positive_rate`` (the share of steps labelled correct: accuracy's chance level).
 """
-import jax
 import jax.numpy as jnp
 import ml_collections
 
 from icml_jax.data import preference as pref_data
+from icml_jax.losses import token_logprobs
 from icml_jax.models.reward import build_step_classifier
 from icml_jax.tasks import TASKS
 from icml_jax.tasks.pairs import PairTask
@@ -62,7 +62,7 @@ class StepPRMTask(PairTask):
     def loss(self, params, batch):
         logits = self.step_logits(params, batch)
         y = batch["step_label"].astype(jnp.int32)
-        ce = -jnp.take_along_axis(jax.nn.log_softmax(logits, -1), y[..., None], axis=-1)[..., 0]
+        ce = -token_logprobs(logits, y)
         w = batch["step_mask"].astype(jnp.float32) * batch["weight"][:, None]
         right = (jnp.argmax(logits, -1) == y).astype(jnp.float32)
         # sums over the labelled steps and their count: the trainer's means are over all steps

@@ -260,11 +260,6 @@ def create_sharded_state(task, tx, config, mesh, rules):
     return init(), shardings
 
 
-def abstract_state(task, tx, config, mesh, rules):
-    """The TrainState as ShapeDtypeStructs carrying their shardings on ``mesh``."""
-    return sharded_state(task, tx, config, mesh, rules)[0]
-
-
 def restore_target(arrays, shardings):
     """ShapeDtypeStructs of ``arrays`` (arrays or shapes) laid out by ``shardings``."""
     return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),

@@ -147,9 +147,7 @@ def test_a_step_with_the_older_prng_key_resumes_exactly(stopped, reference, data
     the leaf."""
     import orbax.checkpoint as ocp
     c = tiny_config
-    tx = make_optimizer(c.train, model_cfg=c.model)
-    mesh, rules = mesh_lib.make_mesh(c.mesh), mesh_lib.logical_rules(c.mesh)
-    abstract = trainer.abstract_state(tasks.TASKS.get("lm")(c), tx, c, mesh, rules)
+    abstract = trainer.setup(c, tasks.TASKS.get("lm")(c)).abstract
     ckpt = ckpt_lib.Checkpointer(str(stopped / "checkpoints"), async_save=False)
     try:
         state, step = ckpt.restore_latest(abstract, None)
@@ -183,9 +181,7 @@ def test_structure_mismatch_found_by_the_checkpoint_itself(stopped, tiny_config)
     (not "corrupt"); a permission error also moves nothing."""
     c = tiny_config
     c.model.tie_embeddings = False
-    tx = make_optimizer(c.train, model_cfg=c.model)
-    mesh, rules = mesh_lib.make_mesh(c.mesh), mesh_lib.logical_rules(c.mesh)
-    abstract = trainer.abstract_state(tasks.TASKS.get("lm")(c), tx, c, mesh, rules)
+    abstract = trainer.setup(c, tasks.TASKS.get("lm")(c)).abstract
     steps = _steps(stopped)
     ckpt = ckpt_lib.Checkpointer(str(stopped / "checkpoints"), async_save=False)
     try:
@@ -193,7 +189,7 @@ def test_structure_mismatch_found_by_the_checkpoint_itself(stopped, tiny_config)
                            match=r"missing from the checkpoint: .*params\.io\.lm_head"):
             ckpt.restore_latest(abstract, None)
         c.model.tie_embeddings = True
-        abstract = trainer.abstract_state(tasks.TASKS.get("lm")(c), tx, c, mesh, rules)
+        abstract = trainer.setup(c, tasks.TASKS.get("lm")(c)).abstract
 
         def denied(*a, **k):
             raise PermissionError(13, "Permission denied", str(stopped / "checkpoints" / "10"))
