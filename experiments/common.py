@@ -93,9 +93,9 @@ class FrozenPolicy:
 
         @jax.jit
         def token_logps(params, b):
-            logits = self.model.apply({"params": params}, b["tokens"], b["positions"],
+            logits = self.model.apply({"params": params}, b["inputs"], b["positions"],
                                       b["segment_ids"])
-            return response_token_logps(logits, b["tokens"], b["response_mask"])
+            return response_token_logps(logits, b["inputs"], b["response_mask"])
         self.token_logps = token_logps
 
     def params_of(self, workdir: str):

@@ -278,7 +278,7 @@ def step_arrays(models, prompts, responses, seq_len):
     for i, e in enumerate(ends):
         E[i, :len(e)], M[i, :len(e)] = e, 1
     fi = np.array([ar.first_response_index(p, tok) for p in prompts], np.int32)
-    rows = {k: arrays[k] for k in ("tokens", "positions", "segment_ids", "response_mask")}
+    rows = {k: arrays[k] for k in ("inputs", "positions", "segment_ids", "response_mask")}
     return rows, fi, E, M
 
 
@@ -317,10 +317,10 @@ def selector_scores(q_raw, M, kappa):
 def bon_over_orders(scores_GN, correct_GN, ns, perms):
     import numpy as np
 
-    from icml_jax.losses import implicit_prm as ip
+    from icml_jax.analysis import prm_eval
     out = {int(n): [] for n in ns}
     for perm in perms:
-        res = ip.best_of_n(scores_GN[:, perm], correct_GN[:, perm], ns)
+        res = prm_eval.best_of_n(scores_GN[:, perm], correct_GN[:, perm], ns)
         for n in ns:
             out[int(n)].append(res[int(n)])
     return {n: float(np.mean(v)) for n, v in out.items()}
@@ -329,11 +329,11 @@ def bon_over_orders(scores_GN, correct_GN, ns, perms):
 def wmv_over_orders(answers_GN, scores_GN, ref_G, ns, perms, sigmoid=True):
     import numpy as np
 
-    from icml_jax.losses import implicit_prm as ip
+    from icml_jax.analysis import prm_eval
     out = {int(n): [] for n in ns}
     for perm in perms:
         a = [[row[j] for j in perm] for row in answers_GN]
-        res = ip.weighted_majority(a, scores_GN[:, perm], ref_G, ns, sigmoid=sigmoid)
+        res = prm_eval.weighted_majority(a, scores_GN[:, perm], ref_G, ns, sigmoid=sigmoid)
         for n in ns:
             out[int(n)].append(res[int(n)])
     return {n: float(np.mean(v)) for n, v in out.items()}
@@ -371,7 +371,7 @@ def first_error_table(exp, ev, prm_scores):
     """{prm: {tau, f1, acc_erroneous, acc_correct, tune_f1}} (τ on even problems, F1 on odd)."""
     import numpy as np
 
-    from icml_jax.losses import implicit_prm as ip
+    from icml_jax.analysis import prm_eval
     G, N = len(ev), int(exp["eval_samples"])
     true = np.array([e["first_error"] for e in ev]).reshape(-1)
     prob = np.repeat(np.arange(G), N)
@@ -380,8 +380,8 @@ def first_error_table(exp, ev, prm_scores):
     out = {}
     for name, q_raw, M in prm_scores:
         q = float(exp["beta"]) * np.asarray(q_raw, np.float64)
-        tau, tuned = ip.choose_threshold(q[tune], M[tune], true[tune], grid)
-        res = ip.first_error_scores(ip.predict_first_error(q[test], M[test], tau), true[test])
+        tau, tuned = prm_eval.choose_threshold(q[tune], M[tune], true[tune], grid)
+        res = prm_eval.first_error_scores(prm_eval.predict_first_error(q[test], M[test], tau), true[test])
         if res["acc_erroneous"] != res["acc_erroneous"] or res["acc_correct"] != res["acc_correct"]:
             res["f1"] = float("nan")  # one subset is empty: the harmonic mean is undefined
         out[name] = {"tau": tau, "tune_f1": tuned["f1"], **res}

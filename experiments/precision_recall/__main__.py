@@ -141,7 +141,7 @@ def pr_metrics(p_support, logq_T, temperatures, eps):
 def train_and_score(cfg, workdir, strings, p_support, exp):
     """Trains (or resumes) one run and scores supp P exactly at every temperature."""
     from icml_jax.tasks import TASKS
-    from icml_jax.tasks.pr_lm import sequence_logprobs
+    from icml_jax.analysis.sequence_logprobs import sequence_logprobs
     from icml_jax.train.trainer import train
     t0 = time.time()
     state, summary = train(cfg, workdir)

@@ -172,7 +172,7 @@ def seq_kl(models, params, groups, max_new_tokens, batch_size):
     for i, r in enumerate(resp):
         if len(tok.encode(r)) >= max_new_tokens:
             arrays["response_mask"][i, arrays["lengths"][i] - 1] = 0
-    rows = {k: arrays[k] for k in ("tokens", "positions", "segment_ids", "response_mask")}
+    rows = {k: arrays[k] for k in ("inputs", "positions", "segment_ids", "response_mask")}
     lp = batched_apply(lambda b: models.token_logps(params, b), rows, batch_size)
     ref = batched_apply(lambda b: models.token_logps(models.ref_params, b), rows, batch_size)
     return np.sum((lp - ref) * (arrays["response_mask"] > 0), axis=1)
@@ -280,7 +280,7 @@ def token_analysis(exp, tb, pairs, workdir, results):
     m = FrozenPolicy(tb["sft_workdir"])
     arrays, _ = encode_pairs(read_preference_jsonl(pairs["paths"]["train"]), m.tok,
                              int(pairs["seq_len"]))
-    rows = {k: flat(arrays[k]) for k in ("tokens", "positions", "segment_ids", "response_mask")}
+    rows = {k: flat(arrays[k]) for k in ("inputs", "positions", "segment_ids", "response_mask")}
     mask = rows["response_mask"] > 0
     bs = int(exp["eval_batch_size"])
     lp = lambda params: batched_apply(lambda b: m.token_logps(params, b), rows, bs)  # noqa: E731

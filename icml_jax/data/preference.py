@@ -23,15 +23,15 @@ tokens never merge with the prompt's. Truncation, in this order:
 ``seq_len < 3`` cannot fit bos + 1 prompt token + 1 response token and is refused.
 
 Encoded arrays (numpy int32; single sequences are [N, T], pairs [N, 2, T]):
-  tokens         the sequence; pad_id in padding.
+  inputs         the token sequence the model reads; pad_id in padding.
   segment_ids    1 on real tokens, 0 on padding.
   positions      0 .. len-1 on real tokens, 0 on padding.
   response_mask  1 on the response tokens (including the appended eos), 0 on bos, prompt, padding.
   lengths        [N] (pairs [N, 2]) number of real tokens.
   scores         pairs only, float32 [N, 2] (score_chosen, score_rejected), when every row has both.
 
-Alignment convention: per-token log-probs are aligned with ``tokens``:
-``logp[..., t] = log p(tokens[..., t] | tokens[..., :t])`` for t >= 1 (logp[..., 0] is unused), so
+Alignment convention: per-token log-probs are aligned with ``inputs``:
+``logp[..., t] = log p(inputs[..., t] | inputs[..., :t])`` for t >= 1 (logp[..., 0] is unused), so
 ``sum(logp * response_mask, -1)`` is the response's log-likelihood -- bos is never in the mask, so
 t = 0 never counts. A reward model reads its score at index ``lengths - 1`` (the last real token:
 eos with ``add_eos``, else the response's last token).
@@ -53,7 +53,7 @@ import numpy as np
 from icml_jax.atomic import write_atomic
 from icml_jax.data.pipeline import _process_slice
 
-PAIR_KEYS = ("tokens", "segment_ids", "positions", "response_mask", "lengths")
+PAIR_KEYS = ("inputs", "segment_ids", "positions", "response_mask", "lengths")
 SCORE_FIELDS = ("score_chosen", "score_rejected")
 _SCALARS = (str, int, float, bool, type(None))
 
@@ -281,7 +281,7 @@ def encode_steps(rows: Sequence[Mapping[str, Any]], tokenizer: Any, seq_len: int
     limit) and few enough for the first step to fit (at least one). Steps that do not fit in
     ``seq_len`` whole are dropped (with their labels), and so are steps beyond ``max_steps``.
 
-    Returns (arrays, stats): ``tokens``, ``segment_ids``, ``positions``, ``response_mask`` (the step
+    Returns (arrays, stats): ``inputs``, ``segment_ids``, ``positions``, ``response_mask`` (the step
     tokens) int32 [N, T], ``lengths`` int32 [N], ``step_end`` int32 [N, K] (the labelled slots),
     ``step_mask`` int32 [N, K], ``step_label`` float32 [N, K] (K = ``max_steps``); stats ``{"n",
     "truncated_prompt", "dropped_steps", "rows_with_dropped_steps"}``."""
@@ -314,7 +314,7 @@ def encode_steps(rows: Sequence[Mapping[str, Any]], tokenizer: Any, seq_len: int
         stats["dropped_steps"] += len(row["completions"]) - k
         stats["rows_with_dropped_steps"] += k < len(row["completions"])
         n = len(ids)
-        out["tokens"][i, :n] = ids
+        out["inputs"][i, :n] = ids
         out["segment_ids"][i, :n] = 1
         out["positions"][i, :n] = np.arange(n)
         out["response_mask"][i, 1 + len(prompt):n] = 1
@@ -388,7 +388,7 @@ def _fit(prompt: list[int], responses: list[list[int]], seq_len: int,
 def _fill(out: dict[str, np.ndarray], idx: tuple, bos: int, prompt: list[int],
           response: list[int]) -> None:
     n_p, n = len(prompt), 1 + len(prompt) + len(response)
-    out["tokens"][idx + (slice(0, n),)] = [bos] + prompt + response
+    out["inputs"][idx + (slice(0, n),)] = [bos] + prompt + response
     out["segment_ids"][idx + (slice(0, n),)] = 1
     out["positions"][idx + (slice(0, n),)] = np.arange(n)
     out["response_mask"][idx + (slice(1 + n_p, n),)] = 1
@@ -397,7 +397,7 @@ def _fill(out: dict[str, np.ndarray], idx: tuple, bos: int, prompt: list[int],
 
 def _empty(shape: tuple[int, ...], pad_id: int) -> dict[str, np.ndarray]:
     out = {k: np.zeros(shape, np.int32) for k in PAIR_KEYS if k != "lengths"}
-    out["tokens"][...] = pad_id
+    out["inputs"][...] = pad_id
     out["lengths"] = np.zeros(shape[:-1], np.int32)
     return out
 
@@ -423,7 +423,7 @@ def encode_responses(prompts: Sequence[str], responses: Sequence[str], tokenizer
       add_eos: append ``eos_id`` to every response (part of the response mask).
 
     Returns:
-      (arrays, stats): ``tokens``, ``segment_ids``, ``positions``, ``response_mask`` int32 [N, T]
+      (arrays, stats): ``inputs``, ``segment_ids``, ``positions``, ``response_mask`` int32 [N, T]
       and ``lengths`` int32 [N]; stats ``{"n": N, "truncated_prompt": k, "truncated_response": m}``
       counting the sequences whose prompt / response was cut.
     """
@@ -456,7 +456,7 @@ def encode_pairs(rows: Sequence[Mapping[str, Any]], tokenizer: Any, seq_len: int
         once per pair (for the longer response) so chosen and rejected see the same context.
 
     Returns:
-      (arrays, stats): ``tokens``, ``segment_ids``, ``positions``, ``response_mask`` int32
+      (arrays, stats): ``inputs``, ``segment_ids``, ``positions``, ``response_mask`` int32
       [N, 2, T], ``lengths`` int32 [N, 2] (index 0 = chosen, 1 = rejected), plus ``scores`` float32
       [N, 2] when every row has numeric ``score_chosen`` and ``score_rejected``. stats:
       ``{"n": N, "truncated_prompt": pairs whose prompt was cut, "truncated_response": pairs with a

@@ -22,11 +22,13 @@ and these attributes, whose defaults are an LM's:
   pretrained_key = None         where ``config.train.init_from``'s decoder params go (a reward
                                 model's ``backbone``; None: the params root)
 
-Batch keys. Packed LM rows (``lm``, ``pr_lm``) carry ``inputs`` and ``targets`` (the same row
-shifted by one), ``segment_ids`` (0 = padding) and ``positions``, all int32 [B, T]. Tasks over
-tokenised examples (``pairs.PairTask``) carry the unshifted ``tokens`` with ``response_mask``,
-``lengths`` and ``weight`` (``tasks/pairs.py``). The two differ because an LM row packs several
-documents and predicts every next token, while an example row scores one response.
+Batch keys, one vocabulary for every task. ``inputs`` (the token ids the model reads),
+``positions`` and ``segment_ids`` (0 = padding) are int32 [..., T] in every batch and go to the
+model as they are. Packed LM rows (``lm``, ``pr_lm``) add ``targets``, the next token at each
+position. Example rows (``pairs.PairTask``: pairs [B, 2, T], single responses [B, T]) predict
+their own next tokens, so they have no ``targets``; they add ``response_mask``, ``lengths`` and
+``weight`` (``tasks/pairs.py``), per-token caches aligned with ``inputs`` (``ref_logps``,
+``guide_logps``) and a task's labels (``label``, ``step_end``, ``step_mask``, ``step_label``).
 
 Metric names follow TRL where it has one: ``rewards/chosen``, ``rewards/rejected``,
 ``rewards/margins``, ``rewards/accuracies``, ``logps/chosen`` ...; ``accuracy`` is the fraction of

@@ -59,7 +59,7 @@ class ImplicitPRMTask(PairTask):
         return {"label": jnp.zeros((batch_size,), jnp.float32)}
 
     def init_params(self, rng, batch):
-        return self.model.init(rng, batch["tokens"], batch["positions"], batch["segment_ids"])["params"]
+        return self.model.init(rng, batch["inputs"], batch["positions"], batch["segment_ids"])["params"]
 
     def loss(self, params, batch):
         L = self.config.loss

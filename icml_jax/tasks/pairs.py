@@ -1,7 +1,7 @@
 """What the tasks over tokenised examples share (``reward_model``, ``preference``: pairs;
 ``implicit_prm``: labelled single responses): data loading, batch shapes, frozen-model caches.
 
-Batches follow ``icml_jax/data/preference.py``: ``tokens``, ``segment_ids``, ``positions``,
+Batches follow ``icml_jax/data/preference.py``: ``inputs``, ``segment_ids``, ``positions``,
 ``response_mask`` int32 [B, 2, T] (index 0 chosen, 1 rejected), ``lengths`` int32 [B, 2],
 ``weight`` float32 [B] (0 for eval padding rows), plus whatever per-token arrays a task caches
 beside them (float32 [B, 2, T]). A task's loss is a mean over pairs, so its loss sum is
@@ -39,11 +39,11 @@ def as_sums(loss, metrics, w_B):
 
 def response_logps_fn(model):
     """One jitted ``(params, batch) -> per-token log-probs`` of ``model`` on example rows
-    (``tokens``, ``positions``, ``segment_ids``, ``response_mask`` [N, T]; float32 [N, T], 0
+    (``inputs``, ``positions``, ``segment_ids``, ``response_mask`` [N, T]; float32 [N, T], 0
     outside the responses). Under an outer jit (the train step) it is inlined."""
     return jax.jit(lambda p, b: response_token_logps(
-        model.apply({"params": p}, b["tokens"], b["positions"], b["segment_ids"]),
-        b["tokens"], b["response_mask"]))
+        model.apply({"params": p}, b["inputs"], b["positions"], b["segment_ids"]),
+        b["inputs"], b["response_mask"]))
 
 
 class PairTask(Task):
@@ -94,7 +94,7 @@ class PairTask(Task):
     def dummy_batch(self, batch_size: int, seq_len: int):
         lead = (batch_size,) + self.example_shape
         z = jnp.zeros(lead + (seq_len,), jnp.int32)
-        return dict(tokens=z, segment_ids=z + 1, positions=z, response_mask=z,
+        return dict(inputs=z, segment_ids=z + 1, positions=z, response_mask=z,
                     lengths=jnp.ones(lead, jnp.int32), weight=jnp.ones((batch_size,), jnp.float32),
                     **self.extra_dummies(batch_size),
                     **{k: z.astype(jnp.float32) for k in self.cached})
@@ -111,7 +111,7 @@ class PairTask(Task):
         return self._token_logps(params, batch)
 
     def cache_frozen_logps(self, key: str, workdir: str, where: str):
-        """Adds ``key``: the per-token log-probs (float32, aligned with ``tokens``) of every train
+        """Adds ``key``: the per-token log-probs (float32, aligned with ``inputs``) of every train
         and eval example under the frozen decoder ``self.model`` (the same architecture) whose
         params are ``workdir``'s newest checkpoint. The params are dropped afterwards: only the arrays stay.
 
@@ -138,10 +138,10 @@ class PairTask(Task):
         if jax.process_count() == 1:
             path = os.path.join(workdir, "frozen_logps",
                                 _fingerprint(params, rows, self.config.model, batch) + ".npz")
-        cached = _read_cache(path, {n: splits[n]["tokens"].shape for n in splits})
+        cached = _read_cache(path, {n: splits[n]["inputs"].shape for n in splits})
         if cached is None:
             cached = {name: batched_apply(lambda b: self.token_logps(params, b), r, batch).reshape(
-                splits[name]["tokens"].shape) for name, r in rows.items()}
+                splits[name]["inputs"].shape) for name, r in rows.items()}
             _write_cache(path, cached)
         for name, arrays in splits.items():
             arrays[key] = cached[name]
@@ -160,7 +160,7 @@ class PairTask(Task):
                                       process_index=index, process_count=count)
 
 
-_SCORED_KEYS = ("tokens", "positions", "segment_ids", "response_mask")
+_SCORED_KEYS = ("inputs", "positions", "segment_ids", "response_mask")
 
 
 _CODE = ("models", os.path.join("losses", "logps.py"))  # what computes the log-probs

@@ -54,14 +54,14 @@ class PreferenceTask(PairTask):
             self.cache_frozen_logps("guide_logps", L.guidance, "config.loss.guidance")
 
     def init_params(self, rng, batch):
-        return self.model.init(rng, flat(batch["tokens"]), flat(batch["positions"]),
+        return self.model.init(rng, flat(batch["inputs"]), flat(batch["positions"]),
                                flat(batch["segment_ids"]))["params"]
 
     def loss(self, params, batch):
         L = self.config.loss
-        B, _, T = batch["tokens"].shape
+        B, _, T = batch["inputs"].shape
         lp = self.token_logps(params, {k: flat(batch[k]) for k in
-                                        ("tokens", "positions", "segment_ids", "response_mask")})
+                                        ("inputs", "positions", "segment_ids", "response_mask")})
         lp = lp.reshape(B, 2, T)
         mask, w = batch["response_mask"], batch["weight"]
         ref = batch["ref_logps"] if "ref_logps" in batch else jnp.zeros_like(lp)

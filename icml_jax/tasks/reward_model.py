@@ -69,7 +69,7 @@ class RewardModelTask(PairTask):
                     bsr_lambda=L.bsr_lambda, bsr_reduce=L.bsr_reduce, num_shards=self.num_shards)
 
     def init_params(self, rng, batch):
-        b = flat(batch["tokens"])
+        b = flat(batch["inputs"])
         return self.model.init(rng, b, flat(batch["positions"]), flat(batch["segment_ids"]),
                                flat(batch["lengths"]) - 1)["params"]
 
@@ -89,8 +89,8 @@ class RewardModelTask(PairTask):
 
     def loss(self, params, batch):
         L, t = self.config.loss, self.config.train
-        B = batch["tokens"].shape[0]
-        r, h, res = self.apply(params, flat(batch["tokens"]), flat(batch["positions"]),
+        B = batch["inputs"].shape[0]
+        r, h, res = self.apply(params, flat(batch["inputs"]), flat(batch["positions"]),
                                flat(batch["segment_ids"]), flat(batch["lengths"]),
                                flat(batch["response_mask"]), with_residual=True)
         r_B2 = r.reshape(B, 2)
@@ -114,13 +114,13 @@ class RewardModelTask(PairTask):
     def score(self, params, arrays: dict, batch_size: int = 64):
         """Rewards and hidden-state norms of single sequences (``encode_responses`` arrays):
         (rewards [N], hidden norms [N]) as float32 numpy."""
-        keys = ("tokens", "positions", "segment_ids", "lengths", "response_mask")
+        keys = ("inputs", "positions", "segment_ids", "lengths", "response_mask")
         out = batched_apply(lambda b: self._score(params, b), {k: arrays[k] for k in keys},
                             batch_size)
         return out[:, 0], out[:, 1]
 
     def _score_rows(self, params, b):
-        r, h = self.apply(params, b["tokens"], b["positions"], b["segment_ids"], b["lengths"],
+        r, h = self.apply(params, b["inputs"], b["positions"], b["segment_ids"], b["lengths"],
                           b["response_mask"])
         return jnp.stack([r, jnp.linalg.norm(h, axis=-1)], -1)
 

@@ -33,7 +33,7 @@ class StepPRMTask(PairTask):
         super().__init__(config, context)
         # throughput per labelled step: the padded tokens per step of the training set
         steps = max(int(self.train_arrays["step_mask"].sum()), 1)
-        self.tokens_per_unit = self.train_arrays["tokens"].size / steps
+        self.tokens_per_unit = self.train_arrays["inputs"].size / steps
         self.model = build_step_classifier(config.model)
 
     def load(self, path: str):
@@ -51,12 +51,12 @@ class StepPRMTask(PairTask):
                 "step_label": jnp.zeros((batch_size, K), jnp.float32)}
 
     def init_params(self, rng, batch):
-        return self.model.init(rng, batch["tokens"], batch["positions"], batch["segment_ids"],
+        return self.model.init(rng, batch["inputs"], batch["positions"], batch["segment_ids"],
                                batch["step_end"])["params"]
 
     def step_logits(self, params, batch):
         """[B, K, 2] float32 logits at every step's labelled slot."""
-        return self.model.apply({"params": params}, batch["tokens"], batch["positions"],
+        return self.model.apply({"params": params}, batch["inputs"], batch["positions"],
                                 batch["segment_ids"], batch["step_end"])
 
     def loss(self, params, batch):

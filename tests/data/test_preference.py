@@ -138,7 +138,7 @@ class _PadSevenTokenizer:
 def test_encode_responses_hand_checked():
     arrays, stats = pref.encode_responses(["ab", ""], ["c", "de"], TOK, 6)
     a, b, c, d, e = _ids("abcde")
-    np.testing.assert_array_equal(arrays["tokens"], [[1, a, b, c, 2, 0], [1, d, e, 2, 0, 0]])
+    np.testing.assert_array_equal(arrays["inputs"], [[1, a, b, c, 2, 0], [1, d, e, 2, 0, 0]])
     np.testing.assert_array_equal(arrays["segment_ids"], [[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 0, 0]])
     np.testing.assert_array_equal(arrays["positions"], [[0, 1, 2, 3, 4, 0], [0, 1, 2, 3, 0, 0]])
     np.testing.assert_array_equal(arrays["response_mask"],
@@ -148,7 +148,7 @@ def test_encode_responses_hand_checked():
     assert stats == {"n": 2, "truncated_prompt": 0, "truncated_response": 0}
 
     no_eos, _ = pref.encode_responses(["ab"], ["c"], _PadSevenTokenizer(), 5, add_eos=False)
-    np.testing.assert_array_equal(no_eos["tokens"], [[1, a, b, c, 7]])
+    np.testing.assert_array_equal(no_eos["inputs"], [[1, a, b, c, 7]])
     np.testing.assert_array_equal(no_eos["response_mask"], [[0, 0, 0, 1, 0]])
     np.testing.assert_array_equal(no_eos["lengths"], [4])
 
@@ -158,7 +158,7 @@ def test_response_mask_selects_the_response_tokens():
     responses = [" Because.", " ok", " long answer"]
     arrays, _ = pref.encode_responses(prompts, responses, TOK, 32)
     for i, response in enumerate(responses):
-        tokens, mask, n = arrays["tokens"][i], arrays["response_mask"][i], arrays["lengths"][i]
+        tokens, mask, n = arrays["inputs"][i], arrays["response_mask"][i], arrays["lengths"][i]
         assert TOK.decode(tokens[mask == 1]) == response
         assert tokens[mask == 1][-1] == TOK.eos_id and tokens[n - 1] == TOK.eos_id
         assert TOK.decode(tokens[1:n][mask[1:n] == 0]) == prompts[i]
@@ -169,17 +169,17 @@ def test_truncation_cuts_prompt_left_then_response_right():
     a, b, c, d, e, f, w, x, y, z = _ids("abcdefwxyz")
     # prompt cut to its last token; response (with eos) intact
     arrays, stats = pref.encode_responses(["abcdef"], ["xyz"], TOK, 6)
-    np.testing.assert_array_equal(arrays["tokens"], [[1, f, x, y, z, 2]])
+    np.testing.assert_array_equal(arrays["inputs"], [[1, f, x, y, z, 2]])
     np.testing.assert_array_equal(arrays["response_mask"], [[0, 0, 1, 1, 1, 1]])
     assert stats == {"n": 1, "truncated_prompt": 1, "truncated_response": 0}
     # prompt down to 1 token, then the response cut from the right (eos goes first)
     arrays, stats = pref.encode_responses(["ab", "a"], ["wxyz", "w"], TOK, 4)
-    np.testing.assert_array_equal(arrays["tokens"], [[1, b, w, x], [1, a, w, 2]])
+    np.testing.assert_array_equal(arrays["inputs"], [[1, b, w, x], [1, a, w, 2]])
     np.testing.assert_array_equal(arrays["response_mask"], [[0, 0, 1, 1], [0, 0, 1, 1]])
     assert stats == {"n": 2, "truncated_prompt": 1, "truncated_response": 1}
     # max_prompt_len keeps the prompt's last tokens even when the sequence would fit
     arrays, stats = pref.encode_responses(["abcdef"], ["x"], TOK, 16, max_prompt_len=2)
-    np.testing.assert_array_equal(arrays["tokens"][0, :5], [1, e, f, x, 2])
+    np.testing.assert_array_equal(arrays["inputs"][0, :5], [1, e, f, x, 2])
     assert stats["truncated_prompt"] == 1 and arrays["lengths"][0] == 5
     with pytest.raises(ValueError, match=r"seq_len=2 .* >= 3"):
         pref.encode_responses(["a"], ["b"], TOK, 2)
@@ -195,14 +195,14 @@ def test_encode_pairs_shares_the_prompt_and_carries_scores():
     arrays, stats = pref.encode_pairs(rows, TOK, 7)
     c, d, w, x, y, z = _ids("cdwxyz")
     assert {k: v.shape for k, v in arrays.items()} == {
-        "tokens": (2, 2, 7), "segment_ids": (2, 2, 7), "positions": (2, 2, 7),
+        "inputs": (2, 2, 7), "segment_ids": (2, 2, 7), "positions": (2, 2, 7),
         "response_mask": (2, 2, 7), "lengths": (2, 2), "scores": (2, 2)}
     # the prompt is cut once, for the longer (rejected) response, so both keep the same context
-    np.testing.assert_array_equal(arrays["tokens"][0], [[1, c, d, x, 2, 0, 0],
+    np.testing.assert_array_equal(arrays["inputs"][0], [[1, c, d, x, 2, 0, 0],
                                                         [1, c, d, x, y, z, 2]])
     np.testing.assert_array_equal(arrays["response_mask"][0], [[0, 0, 0, 1, 1, 0, 0],
                                                                [0, 0, 0, 1, 1, 1, 1]])
-    np.testing.assert_array_equal(arrays["tokens"][1], [[1, w, 2, 0, 0, 0, 0],
+    np.testing.assert_array_equal(arrays["inputs"][1], [[1, w, 2, 0, 0, 0, 0],
                                                         [1, y, 2, 0, 0, 0, 0]])
     np.testing.assert_array_equal(arrays["lengths"], [[5, 7], [3, 3]])
     np.testing.assert_array_equal(arrays["positions"][0, 1], np.arange(7))
@@ -245,12 +245,12 @@ def test_pair_iterator_batches_and_epochs():
     batches = _take(it, 3)  # 12 rows = exactly two epochs
     b = batches[0]
     assert {k: (v.shape, v.dtype) for k, v in b.items()} == {
-        "tokens": ((4, 2, 8), np.int32), "segment_ids": ((4, 2, 8), np.int32),
+        "inputs": ((4, 2, 8), np.int32), "segment_ids": ((4, 2, 8), np.int32),
         "positions": ((4, 2, 8), np.int32), "response_mask": ((4, 2, 8), np.int32),
         "lengths": ((4, 2), np.int32), "index": ((4,), np.int32), "weight": ((4,), np.float32)}
     np.testing.assert_array_equal(b["weight"], 1.0)
     for row in range(4):  # rows are whole examples
-        np.testing.assert_array_equal(b["tokens"][row], arrays["tokens"][b["index"][row]])
+        np.testing.assert_array_equal(b["inputs"][row], arrays["inputs"][b["index"][row]])
     order = np.concatenate([x["index"] for x in batches])
     assert sorted(order[:6]) == list(range(6)) and sorted(order[6:]) == list(range(6))
     assert order[:6].tolist() != order[6:].tolist()  # a new permutation each epoch
@@ -303,14 +303,14 @@ def test_process_slices_concatenate_to_the_global_batch():
 def test_pair_iterator_serves_single_sequences():
     arrays, _ = pref.encode_responses(["a", "b", "c"], ["x", "y", "z"], TOK, 6)
     batch = next(pref.pair_train_iterator(arrays, 2, seed=0, process_index=0, process_count=1))
-    assert batch["tokens"].shape == (2, 6) and batch["lengths"].shape == (2,)
+    assert batch["inputs"].shape == (2, 6) and batch["lengths"].shape == (2,)
     assert batch["weight"].shape == (2,)
 
 
 def test_eval_batches_count_every_example_once():
     arrays = _arrays(n=7)
     batches = pref.eval_batches(arrays, 3, process_index=0, process_count=1)
-    assert len(batches) == 3 and all(b["tokens"].shape == (3, 2, 8) for b in batches)
+    assert len(batches) == 3 and all(b["inputs"].shape == (3, 2, 8) for b in batches)
     assert sum(float(b["weight"].sum()) for b in batches) == 7
     counts = collections.Counter()
     for b in batches:
@@ -319,7 +319,7 @@ def test_eval_batches_count_every_example_once():
     assert counts == {i: 1 for i in range(7)}
     assert np.concatenate([b["index"] for b in batches]).tolist() == [0, 1, 2, 3, 4, 5, 6, 0, 0]
     np.testing.assert_array_equal(batches[-1]["weight"], [1, 0, 0])
-    np.testing.assert_array_equal(batches[-1]["tokens"][1], arrays["tokens"][0])  # copies of row 0
+    np.testing.assert_array_equal(batches[-1]["inputs"][1], arrays["inputs"][0])  # copies of row 0
 
     capped = pref.eval_batches(arrays, 3, max_batches=2, process_index=0, process_count=1)
     assert [b["index"][0] for b in capped] == [0, 6]  # evenly spaced: first and last batch

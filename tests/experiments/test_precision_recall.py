@@ -12,7 +12,7 @@ import pytest
 from experiments.precision_recall.__main__ import CSV_FIELDS, PRESETS, main
 from icml_jax.config_utils import load_config
 from icml_jax.tasks import TASKS
-from icml_jax.tasks.pr_lm import encode_strings, sequence_logprobs
+from icml_jax.analysis.sequence_logprobs import encode_strings, sequence_logprobs
 
 
 def _task(**loss):

@@ -4,6 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from icml_jax.analysis import prm_eval
 from icml_jax.config_utils import load_config
 from icml_jax.losses import dpo_loss, response_token_logps
 from icml_jax.losses import implicit_prm as ip
@@ -61,8 +62,8 @@ def test_aggregations_and_kappa_ranking_invariance():
             assert all(np.array_equal(ranks[0], x) for x in ranks[1:])
     # weighted majority voting depends on kappa: answer "a" (1 confident vote) vs "b" (2 weak)
     answers, scores = [["a", "b", "b"]], np.array([[6.0, -1.0, -1.0]])
-    assert ip.weighted_majority(answers, scores, ["a"], [3])[3] == 1.0
-    assert ip.weighted_majority(answers, scores * 0.001, ["a"], [3])[3] == 0.0
+    assert prm_eval.weighted_majority(answers, scores, ["a"], [3])[3] == 1.0
+    assert prm_eval.weighted_majority(answers, scores * 0.001, ["a"], [3])[3] == 0.0
 
 
 def test_changing_a_later_token_leaves_earlier_step_rewards(tiny_model):
@@ -144,30 +145,6 @@ def test_boundary_modes_differ_only_in_the_first_step():
     lr = np.asarray(pol - ref)
     extra = BETA * np.array([lr[0, 0:2].sum(), lr[1, 1:3].sum()])
     np.testing.assert_allclose(tmpl[:, 0] - resp[:, 0], extra, rtol=1e-5)
-
-
-def test_best_of_n_and_majority():
-    scores = np.array([[0.1, 0.9, 0.5, 0.9], [0.3, 0.2, 0.8, 0.1]])
-    correct = np.array([[0, 1, 0, 0], [1, 0, 0, 0]])
-    got = ip.best_of_n(scores, correct, [1, 2, 4])
-    # n=1: first responses (wrong, right); n=2: 0.9 (right) and 0.3 (right); n=4: row 0 ties at
-    # 0.9 and the first of the tie (index 1, right) wins, row 1 picks 0.8 (wrong)
-    assert got == {1: 0.5, 2: 1.0, 4: 0.5}
-    answers = [["3", "4", "4", None], ["7", "7", "8", "8"]]
-    ones = np.ones((2, 4))
-    assert ip.weighted_majority(answers, ones, ["4", "8"], [4], sigmoid=False)[4] == 0.5
-
-
-def test_first_error_prediction_and_threshold():
-    q = np.array([[2.0, -3.0, -4.0], [2.0, 2.0, 2.0], [-5.0, 1.0, 0.0]])
-    m = np.array([[1, 1, 1], [1, 1, 1], [1, 1, 0]])
-    pred = ip.predict_first_error(q, m, 0.5)
-    assert pred.tolist() == [2, 0, 1]
-    s = ip.first_error_scores(pred, np.array([2, 0, 2]))
-    assert s["acc_erroneous"] == 0.5 and s["acc_correct"] == 1.0
-    assert s["f1"] == pytest.approx(2 / 3)
-    tau, best = ip.choose_threshold(q, m, np.array([2, 0, 1]))
-    assert best["f1"] == 1.0 and 0 < tau < 1
 
 
 def test_errors():

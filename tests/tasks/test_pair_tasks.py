@@ -105,7 +105,7 @@ def test_reward_model_bsr_is_per_shard(setup):
     @jax.jit
     def loss_and_rewards(b):
         params = nn.meta.unbox(task.init_params(jax.random.key(0), b))
-        r, _ = task.apply(params, b["tokens"].reshape(16, -1), b["positions"].reshape(16, -1),
+        r, _ = task.apply(params, b["inputs"].reshape(16, -1), b["positions"].reshape(16, -1),
                           b["segment_ids"].reshape(16, -1), b["lengths"].reshape(16))
         return task.loss(params, b), r.reshape(8, 2)
 
@@ -126,14 +126,14 @@ def test_cached_reference_logps_equal_recomputed(setup):
         return response_token_logps(logits, t, response_mask)
 
     for arrays in (task.train_arrays, task.eval_arrays):
-        t = arrays["tokens"].reshape(-1, arrays["tokens"].shape[-1])
+        t = arrays["inputs"].reshape(-1, arrays["inputs"].shape[-1])
         f = lambda k: arrays[k].reshape(t.shape)  # noqa: E731
         want = token_logps(t, f("positions"), f("segment_ids"), f("response_mask"))
         np.testing.assert_allclose(arrays["ref_logps"].reshape(t.shape), want, rtol=1e-5, atol=1e-6)
         assert np.all(arrays["ref_logps"][arrays["response_mask"] == 0] == 0)
         assert np.any(arrays["ref_logps"] < 0)
     b = _batch(task)
-    assert b["ref_logps"].shape == b["tokens"].shape
+    assert b["ref_logps"].shape == b["inputs"].shape
 
 
 @pytest.mark.parametrize("loss_type", ["sigmoid", "robust", "hinge", "ipo"])
@@ -183,6 +183,20 @@ def test_dpo_then_tgdpo_end_to_end(setup, tmp_path):
     tg.config.loss.tgdpo_alpha = 0.5
     losses, moved = _sgd_moves_and_learns(tg)
     assert moved > 1e-4 and losses[-1] < losses[0]
+
+
+def test_every_task_batch_uses_one_key_vocabulary(setup):
+    """``inputs``/``positions``/``segment_ids`` in every batch (tasks/base.py); only LM rows have
+    ``targets``; the dummy batch (init, tracing) has the real batch's keys."""
+    for name, t in (("lm", _task(load_config("configs/lm.py:tiny"))),
+                    ("reward_model", _task(_config("reward_model", setup))),
+                    ("dpo", _task(_config("dpo", setup)))):
+        real = next(t.train_iterator(seed=0))
+        dummy = t.dummy_batch(2, real["inputs"].shape[-1])
+        assert set(dummy) == set(real), name
+        assert {"inputs", "positions", "segment_ids"} <= set(real) and "tokens" not in real, name
+        assert real["inputs"].shape == real["positions"].shape == real["segment_ids"].shape, name
+        assert ("targets" in real) == (name == "lm"), name
 
 
 def test_errors(setup):

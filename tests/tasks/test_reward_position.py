@@ -27,7 +27,7 @@ def test_the_reward_is_read_at_the_documented_token(tokenizers, kind, add_eos):
     tok = tokenizers[kind]
     prompts, responses = ["romeo ", "speak "], ["o happy dagger", "no"]
     arrays, _ = encode_responses(prompts, responses, tok, 48, add_eos=add_eos)
-    tokens, lengths = jnp.asarray(arrays["tokens"]), jnp.asarray(arrays["lengths"])
+    tokens, lengths = jnp.asarray(arrays["inputs"]), jnp.asarray(arrays["lengths"])
     last = np.asarray(score_index(tokens, lengths, tok.eos_id, "last"))
     resp = np.asarray(score_index(tokens, lengths, tok.eos_id, "last_response_token"))
     np.testing.assert_array_equal(last, np.asarray(lengths) - 1)  # TRL: the last real token
@@ -39,7 +39,7 @@ def test_the_reward_is_read_at_the_documented_token(tokenizers, kind, add_eos):
     assert REWARD_POSITIONS == ("last", "last_response_token")
     if add_eos:  # an empty response is its eos alone: never step back onto the prompt
         e, _ = encode_responses(["romeo "], [""], tok, 48, add_eos=True)
-        idx = score_index(jnp.asarray(e["tokens"]), jnp.asarray(e["lengths"]), tok.eos_id,
+        idx = score_index(jnp.asarray(e["inputs"]), jnp.asarray(e["lengths"]), tok.eos_id,
                           "last_response_token", jnp.asarray(e["response_mask"]))
         assert int(idx[0]) == int(e["lengths"][0]) - 1
 
@@ -84,7 +84,7 @@ def test_the_residual_norm_is_the_one_before_the_final_norm(tmp_path):
 
     @jax.jit
     def run(p, b):
-        args = (flat(b["tokens"]), flat(b["positions"]), flat(b["segment_ids"]), flat(b["lengths"]))
+        args = (flat(b["inputs"]), flat(b["positions"]), flat(b["segment_ids"]), flat(b["lengths"]))
         r, h, res = task.apply(p, *args, with_residual=True)
         _, inter = task.model.apply({"params": p}, *args[:3], jnp.maximum(args[3] - 1, 0),
                                     capture_intermediates=True, mutable=["intermediates"])

@@ -31,15 +31,15 @@ def test_encoding_puts_each_label_on_the_last_token_of_step_plus_separator():
     rows = [{"prompt": "Q:", "completions": ["ab", "c", "dddd"], "labels": [True, False, True]}]
     a, stats = encode_steps(rows, tok, seq_len=12, max_steps=4)
     ids = [tok.bos_id] + tok.encode("Q:") + tok.encode("ab\n") + tok.encode("c\n")
-    np.testing.assert_array_equal(a["tokens"][0, :len(ids)], ids)  # "dddd\n" did not fit: dropped
+    np.testing.assert_array_equal(a["inputs"][0, :len(ids)], ids)  # "dddd\n" did not fit: dropped
     assert a["step_end"][0, :2].tolist() == [5, 7] and a["step_mask"][0].tolist() == [1, 1, 0, 0]
     assert a["step_label"][0, :2].tolist() == [1.0, 0.0] and stats["dropped_steps"] == 1
     assert stats["rows_with_dropped_steps"] == 1
     long = [{"prompt": "x" * 50, "completions": ["ab", "c"], "labels": [True, True]}]
     c, st = encode_steps(long, tok, seq_len=12, max_steps=4)  # the prompt yields room for step 1
     assert c["step_mask"][0].tolist() == [1, 0, 0, 0] and st["truncated_prompt"] == 1
-    assert c["tokens"][0, c["step_end"][0, 0]] == tok.encode("\n")[-1]
-    assert all(a["tokens"][0, e] == tok.encode("\n")[-1] for e in a["step_end"][0, :2])
+    assert c["inputs"][0, c["step_end"][0, 0]] == tok.encode("\n")[-1]
+    assert all(a["inputs"][0, e] == tok.encode("\n")[-1] for e in a["step_end"][0, :2])
     assert a["response_mask"][0].tolist() == [0, 0, 0] + [1] * 5 + [0] * 4
     b, _ = encode_steps(rows, tok, seq_len=40, max_steps=2)  # max_steps cuts the third
     assert b["step_mask"][0].tolist() == [1, 1]
