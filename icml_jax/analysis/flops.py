@@ -11,8 +11,8 @@ Two conventions, stated once:
 * **paper** (``convention="paper"``, ``paper_train_flops``): the formulas of the RMT paper
   (Mak & Flanigan 2025, Table 7; ``docs/methods/rmt.md``), N = sequence length, per sequence:
     RMT forward         6N·R·Dk·Dv(1+L) + N·R(4·X + L(4N·Dv + 3N + 4Dv·D_FF)),
-                        X = V (``rmt.flops_vocab_term="RV"``, reproduces the paper's totals) or
-                        V·Dv (``"RVDv"``, the formula as printed);
+                        X = V (``vocab_term="RV"``, the default, reproduces the paper's totals)
+                        or V·Dv (``"RVDv"``, the formula as printed);
     transformer forward 4N(V + L·D(2D_h·H + D_FF) + L(N·D_h·H + 3/4·N·H));
     training = 3 x forward x number of sequences. Full (non-causal) attention, softmax counted.
   With them the paper's totals are reproduced to < 1% (transformer 405M 1.18e19 at 6.04e9
@@ -38,26 +38,29 @@ def param_count(m: ml_collections.ConfigDict) -> int:
 
 
 def train_flops_per_token(m: ml_collections.ConfigDict, seq_len: int,
-                          convention: str = "exact") -> float:
+                          convention: str = "exact", *, vocab_term: str = "RV") -> float:
     """Training FLOPs per token at context length ``seq_len``.
 
     ``convention``: ``exact`` (causal attention counted as half; see the module docstring) or
-    ``paper`` (the RMT paper's Table 7 formulas, per token = per sequence / N)."""
+    ``paper`` (the RMT paper's Table 7 formulas, per token = per sequence / N; ``vocab_term``
+    picks the RMT vocabulary term, module docstring)."""
     if convention == "paper":
-        return 3.0 * paper_forward_flops_per_sequence(m, seq_len) / seq_len
+        return 3.0 * paper_forward_flops_per_sequence(m, seq_len, vocab_term=vocab_term) / seq_len
     if convention != "exact":
         raise ValueError(f"unknown FLOP convention {convention!r}; choose 'exact' or 'paper'")
     return RESIDUALS.get(m.residual).train_flops_per_token(m, seq_len)
 
 
-def paper_forward_flops_per_sequence(m: ml_collections.ConfigDict, seq_len: int) -> float:
+def paper_forward_flops_per_sequence(m: ml_collections.ConfigDict, seq_len: int, *,
+                                     vocab_term: str = "RV") -> float:
     """The paper's forward FLOPs per sequence for ``m`` (the residual stream's formula)."""
-    return RESIDUALS.get(m.residual).paper_forward_flops(m, seq_len)
+    return RESIDUALS.get(m.residual).paper_forward_flops(m, seq_len, vocab_term)
 
 
-def paper_train_flops(m: ml_collections.ConfigDict, seq_len: int, tokens: float) -> float:
+def paper_train_flops(m: ml_collections.ConfigDict, seq_len: int, tokens: float, *,
+                      vocab_term: str = "RV") -> float:
     """Paper-style training FLOPs total: 3 x forward per sequence x (tokens / seq_len) sequences."""
-    return 3.0 * paper_forward_flops_per_sequence(m, seq_len) * tokens / seq_len
+    return 3.0 * paper_forward_flops_per_sequence(m, seq_len, vocab_term=vocab_term) * tokens / seq_len
 
 
 def transformer_paper_param_count(L: int, D: int, H: int, D_h: int, D_FF: int, V: int) -> int:

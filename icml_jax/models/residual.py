@@ -41,7 +41,7 @@ class Stream(NamedTuple):
     Block: type
     param_count: Callable  # m -> exact number of parameters of Decoder(m)
     train_flops_per_token: Callable  # (m, seq_len) -> training FLOPs per token, exact convention
-    paper_forward_flops: Callable  # (m, seq_len) -> the RMT paper's forward FLOPs per sequence
+    paper_forward_flops: Callable  # (m, seq_len, vocab_term) -> the RMT paper's forward FLOPs per sequence
     optimizer_groups: Callable | None = None  # m -> OptimizerGroups; None: AdamW, decay on matrices
     validate: Callable | None = None  # m -> None; raises ValueError naming the config key
     reads_position: bool = True  # whether config.model.position selects this stream's positions
@@ -139,7 +139,9 @@ def transformer_paper_forward_flops(N: int, L: int, D: int, H: int, D_h: int, D_
     return 4.0 * N * (V + L * D * (2 * D_h * H + D_FF) + L * (N * D_h * H + 0.75 * N * H))
 
 
-def _standard_paper_forward_flops(m: ml_collections.ConfigDict, seq_len: int) -> float:
+def _standard_paper_forward_flops(m: ml_collections.ConfigDict, seq_len: int,
+                                  vocab_term: str = "RV") -> float:
+    del vocab_term  # the RMT's printed-formula ambiguity; the transformer formula has one form
     return transformer_paper_forward_flops(seq_len, m.num_layers, m.d_model, m.num_heads,
                                            m.head_dim, m.ffn_dim, m.vocab_size)
 

@@ -92,8 +92,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
                          f"{c.num_kv_heads} vs {c.num_heads}): set num_kv_heads={c.num_heads}")
     for key, val, ok in (("position", r.position, ("alibi", "learned")),
                          ("norm", r.norm, ("rms_matrix", "layernorm")),
-                         ("param", r.param, ("mup", "lecun")),
-                         ("flops_vocab_term", r.flops_vocab_term, ("RV", "RVDv"))):
+                         ("param", r.param, ("mup", "lecun"))):
         if val not in ok:
             raise ValueError(f"unknown config.model.rmt.{key}={val!r}; choose one of {list(ok)}")
     if r.key_dim <= 0:
@@ -452,14 +451,15 @@ def rmt_paper_forward_flops(N: int, L: int, R: int, Dk: int, Dv: int, D_FF: int,
                             vocab_term: str = "RV") -> float:
     """RMT paper Table 7, forward FLOPs per sequence of N tokens (``vocab_term``: RV | RVDv)."""
     if vocab_term not in ("RV", "RVDv"):
-        raise ValueError(f"unknown config.model.rmt.flops_vocab_term {vocab_term!r}; choose RV or RVDv")
+        raise ValueError(f"unknown vocab_term {vocab_term!r}; choose RV (reproduces the paper's "
+                         "totals) or RVDv (the formula as printed)")
     X = V if vocab_term == "RV" else V * Dv
     return 6.0 * N * R * Dk * Dv * (1 + L) + N * R * (4.0 * X + L * (4.0 * N * Dv + 3 * N + 4.0 * Dv * D_FF))
 
 
-def _paper_forward_flops(m: ml_collections.ConfigDict, seq_len: int) -> float:
+def _paper_forward_flops(m: ml_collections.ConfigDict, seq_len: int, vocab_term: str = "RV") -> float:
     L, R, K, E, F, V = _dims(m)
-    return rmt_paper_forward_flops(seq_len, L, R, K, E, F, V, m.rmt.flops_vocab_term)
+    return rmt_paper_forward_flops(seq_len, L, R, K, E, F, V, vocab_term)
 
 
 RESIDUALS.register("rmt")(Stream(

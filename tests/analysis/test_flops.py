@@ -118,8 +118,12 @@ def test_paper_training_flops_totals():
     assert flops.train_flops_per_token(r, 512, convention="paper") * 6.04e9 == pytest.approx(
         flops.paper_train_flops(r, 512, 6.04e9), rel=1e-12)
     # the formula as printed (4N·R·V·Dv) overshoots the reported RMT totals by roughly 40%
-    printed = flops.paper_train_flops(_paper_rmt(flops_vocab_term="RVDv"), 512, 6.04e9)
+    printed = flops.paper_train_flops(r, 512, 6.04e9, vocab_term="RVDv")
     assert 1.3 < printed / 8.45e18 < 1.5
+    assert flops.paper_train_flops(tf, 512, 6.04e9, vocab_term="RVDv") == flops.paper_train_flops(
+        tf, 512, 6.04e9)  # the transformer formula has one vocabulary term
+    with pytest.raises(ValueError, match="vocab_term"):
+        flops.paper_train_flops(r, 512, 6.04e9, vocab_term="RVD")
 
 
 def test_paper_parameter_totals():
