@@ -135,7 +135,7 @@ def _generate(model, params, sparsity, tokens_BP, positions_BP, segments_BP, key
     cache = init_cache(model, B, P + max_new)
     variables = {"params": params}
     if sparsity is not None:
-        if model.cfg.mlp.get("sparse_capacity", 0):  # row-contiguous weights, once, outside the loop
+        if model.cfg.mlp.sparse_capacity:  # row-contiguous weights, once, outside the loop
             sparsity = sparse_ffn.add_gather_rows(params, sparsity)
         variables["sparsity"] = sparsity
 
@@ -303,7 +303,7 @@ def generate(model_cfg: ml_collections.ConfigDict, params, prompts_tokens: Seque
 
 def _with_capacity(model_cfg, sparse_capacity, sparsity, batch: int):
     """``model_cfg`` with ``mlp.sparse_capacity`` set (a copy when it changes), after the checks."""
-    current = int(model_cfg.mlp.get("sparse_capacity", 0) or 0)
+    current = int(model_cfg.mlp.sparse_capacity or 0)
     capacity = current if sparse_capacity is None else int(sparse_capacity)
     if capacity:
         if sparsity is None:

@@ -160,14 +160,14 @@ def to_hf_config(m: ml_collections.ConfigDict, architecture: str, dtype: str,
              "equivalent; only the 'standard' residual stream can be exported")
     _require(m.position == "rope", f"{where}: config.model.position={m.position!r} has no HF "
              "equivalent in these families; only 'rope' can be exported")
-    _require(not m.get("rope_floor_clip", False), f"{where}: config.model.rope_floor_clip=True "
+    _require(not m.rope_floor_clip, f"{where}: config.model.rope_floor_clip=True "
              "(zeroed low frequencies) has no HF equivalent; export a model trained without it")
     _require(m.mlp.activation == "swiglu", f"{where}: config.model.mlp.activation="
              f"{m.mlp.activation!r} cannot be exported; these families use 'swiglu' (silu-gated)")
-    rs = m.get("rope_scaling") or ml_collections.ConfigDict({"type": "none"})
+    rs = m.rope_scaling or ml_collections.ConfigDict({"type": "none"})
     _require(rs.type in ("none", "linear", "llama3"),
              f"{where}: config.model.rope_scaling.type={rs.type!r} cannot be exported")
-    qkv_bias, window = bool(m.get("qkv_bias", False)), int(m.get("sliding_window", 0) or 0)
+    qkv_bias, window = bool(m.qkv_bias), int(m.sliding_window or 0)
     _require(not qkv_bias or architecture == "Qwen2ForCausalLM",
              f"{where}: config.model.qkv_bias=True needs architecture='Qwen2ForCausalLM' "
              f"({architecture} has no q/k/v-only biases)")

@@ -33,7 +33,7 @@ class Dims:
     def of(cls, m: ml_collections.ConfigDict) -> "Dims":
         return cls(V=int(m.vocab_size), D=int(m.d_model), L=int(m.num_layers), H=int(m.num_heads),
                    G=int(m.num_kv_heads), K=int(m.head_dim), F=int(m.ffn_dim),
-                   tied=bool(m.tie_embeddings), qkv_bias=bool(m.get("qkv_bias", False)))
+                   tied=bool(m.tie_embeddings), qkv_bias=bool(m.qkv_bias))
 
 
 @dataclasses.dataclass(frozen=True)

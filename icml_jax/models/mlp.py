@@ -88,7 +88,7 @@ def _keep_mask(module, acts_BTF, gate_BTF, w_FD):
     if not present:
         return None
     get = lambda n: module.get_variable("sparsity", n)  # noqa: E731
-    le = module.cfg.mlp.get("sparse_compare", "lt")
+    le = module.cfg.mlp.sparse_compare
     if le not in ("lt", "le"):
         raise ValueError(f"config.model.mlp.sparse_compare={le!r}; choose 'lt' (reference) or 'le'")
     below = (lambda x, t: x <= t) if le == "le" else (lambda x, t: x < t)
@@ -135,7 +135,7 @@ class _MLPBase(nn.Module):
 
     def _gather_capacity(self, x_BTD) -> int:
         """C when this call takes the gathered decode path (see the module docstring), else 0."""
-        capacity = int(self.cfg.mlp.get("sparse_capacity", 0) or 0)
+        capacity = int(self.cfg.mlp.sparse_capacity or 0)
         if capacity and not self.gated:
             raise ValueError(f"config.model.mlp.sparse_capacity={capacity} needs a gated MLP "
                              f"(relu_glu or swiglu), not {self.cfg.mlp.activation!r}")
@@ -155,7 +155,7 @@ class _MLPBase(nn.Module):
              else None)
         y_D, acts_F, stats = sparse_ffn.sparse_ffn(
             w, x_BTD[0, 0], t, activation=self.cfg.mlp.activation, capacity=capacity,
-            compare=self.cfg.mlp.get("sparse_compare", "lt"), gate_threshold=e, return_stats=True,
+            compare=self.cfg.mlp.sparse_compare, gate_threshold=e, return_stats=True,
             return_acts=True)
         self.sow("intermediates", "sparse_ffn_stats", stats)
         return y_D.reshape(x_BTD.shape), acts_F.reshape(1, 1, -1)

@@ -75,7 +75,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling=None, dtype=jnp.float32) 
 
 def training_length(cfg) -> int:
     """L for floor clipping: ``config.model.train_seq_len``, or ``max_seq_len`` when it is 0."""
-    L = int(cfg.get("train_seq_len", 0) or 0)
+    L = int(cfg.train_seq_len or 0)
     return L if L > 0 else int(cfg.max_seq_len)
 
 
@@ -146,9 +146,9 @@ class RoPE(PositionEmbedding):
     def inv_freq(self, head_dim: int):
         dt = wide_dtype(get_dtype(self.cfg.dtype))  # float64 models: float64
         inv = rope_inv_freq(head_dim, self.cfg.rope_theta, self.cfg.rope_scaling, dt)
-        if self.cfg.get("rope_floor_clip", False):
+        if self.cfg.rope_floor_clip:
             floor = np.float32(2 * math.pi / training_length(self.cfg)
-                               * self.cfg.get("rope_floor_ratio", 1.0))
+                               * self.cfg.rope_floor_ratio)
             inv = jnp.where(inv < floor, 0.0, inv)  # traced under jit: compare in jnp
         return inv
 
@@ -244,14 +244,14 @@ class FoPE(PositionEmbedding):
         """2 * G * D_in * D_out."""
         c = model_cfg
         _, d_in, d_out = fope_frequencies(c.head_dim, c.rope_theta, training_length(c),
-                                          c.get("rope_floor_ratio", 1.0), c.fope.dout_divisor)
+                                          c.rope_floor_ratio, c.fope.dout_divisor)
         return 2 * c.num_kv_heads * d_in * d_out
 
     def setup(self):
         c, f = self.cfg, self.cfg.fope
         K, G = c.head_dim, c.num_kv_heads
         self.omega, self.d_in, self.d_out = fope_frequencies(
-            K, c.rope_theta, training_length(c), c.get("rope_floor_ratio", 1.0), f.dout_divisor)
+            K, c.rope_theta, training_length(c), c.rope_floor_ratio, f.dout_divisor)
         std = fope_init_std(G, self.d_in, self.d_out, f.init_gain, f.init_std)
         shape, axes = (G, self.d_in, self.d_out), ("kv_heads", None, None)
         self.sin_coef = param(self, "sin_coef", fope_coef_init(std), shape, axes, jnp.float32)
@@ -291,7 +291,7 @@ def extend_fope_params(params, new_model_cfg, key, fresh_init: bool = True):
     smaller target is cut to its top-left block. Other params are returned unchanged."""
     c = new_model_cfg
     _, d_in, d_out = fope_frequencies(c.head_dim, c.rope_theta, training_length(c),
-                                      c.get("rope_floor_ratio", 1.0), c.fope.dout_divisor)
+                                      c.rope_floor_ratio, c.fope.dout_divisor)
     std = fope_init_std(c.num_kv_heads, d_in, d_out, c.fope.init_gain, c.fope.init_std)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
     keys = jax.random.split(key, max(len(leaves), 1))

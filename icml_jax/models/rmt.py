@@ -103,7 +103,7 @@ def validate_for_training(c: ml_collections.ConfigDict) -> None:
     """``validate`` plus settings a new run must not carry (checked when training starts, not
     when a finished run's model is built for sampling or analysis)."""
     validate(c)
-    if c.get("position", "rope") not in ("rope", "alibi"):  # rope: the base config's default
+    if c.position not in ("rope", "alibi"):  # rope: the base config's default
         raise ValueError(f"residual='rmt' takes its positions from config.model.rmt.position "
                          f"(alibi|learned), so config.model.position={c.position!r} would be "
                          "ignored: set config.model.position=alibi (or leave the default rope)")

@@ -38,7 +38,7 @@ class LMTask(Task):
         n = w.sum()
         metrics = {"accuracy": correct.sum()}
         lsum = nll.sum()
-        z = float(self.config.train.get("z_loss", 0.0))
+        z = float(self.config.train.z_loss)
         if z:  # PaLM-style z-loss (the RMT reference: 1e-4); logged as its own metric
             lsum, metrics["z_loss"] = with_z_loss(lsum, logits, w, z)
         return lsum, n, metrics
@@ -51,7 +51,7 @@ class LMTask(Task):
         return data_lib.make_train_iterator(c.data, self.tokenizer, seq_len=c.data.seq_len,
                                             global_batch_size=c.train.batch_size, seed=seed,
                                             process_index=index, process_count=count,
-                                            streams=c.data.get("streams", 1))
+                                            streams=c.data.streams)
 
     def eval_batches(self, split: str = "validation", shard=None):
         c = self.config

@@ -43,7 +43,7 @@ class PRLMTask(LMTask):
     def __init__(self, config: ml_collections.ConfigDict, context=None):
         super().__init__(config, context)
         self.loss_kw = loss_settings(config)
-        if float(config.train.get("z_loss", 0.0)):
+        if float(config.train.z_loss):
             raise ValueError("task 'pr_lm' does not support config.train.z_loss; set it to 0")
         # eval_loss is the objective; a perplexity of it only means something for NLL
         self.reports_perplexity = self.loss_kw["loss_type"] == "nll"

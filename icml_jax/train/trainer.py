@@ -357,7 +357,7 @@ def _check_resume(config, workdir: str) -> None:
     changes = workdir_lib.config_changes(saved, _config_dict(config)) if saved else {}
     # start_over acts once: checkpoints that a start_over run wrote, with this config, resume
     again = bool(saved and saved.get("train", {}).get("start_over")) and not changes.get("fixed")
-    if config.train.get("start_over", False) and not again:
+    if config.train.start_over and not again:
         moved = _on_process_0(lambda: workdir_lib.set_aside(workdir), "move the previous run aside")
         if moved:
             logging.warning("config.train.start_over=True: moved the previous run to %s; "
@@ -448,7 +448,7 @@ def _train(config, workdir: str, task, shape, stop: _StopOnSignal) -> tuple[Trai
     data_iter = task.train_iterator(seed=config.seed, shard=shard)
     ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=t.keep_checkpoints,
                                  async_save=t.async_checkpoint,
-                                 checksums=t.get("checkpoint_checksums", True))
+                                 checksums=t.checkpoint_checksums)
     log = (lambda *a: print(*a, flush=True)) if is_main else (lambda *a: None)
     try:  # a refused restore or init_from closes the manager before the error goes up
         restored, start = ckpt.restore_latest(abstract, data_iter, older=(_with_key_layout,))
@@ -457,7 +457,7 @@ def _train(config, workdir: str, task, shape, stop: _StopOnSignal) -> tuple[Trai
             log(f"Resumed from {ckpt.directory}/{start}")
         else:
             state = init_state()
-            if t.get("init_from", ""):
+            if t.init_from:
                 state = state.replace(params=_init_from(task, t.init_from, state.params,
                                                         state_shardings.params))
                 log(f"Initialised the params from {t.init_from}")

@@ -10,6 +10,7 @@ import ml_collections
 import numpy as np
 import pytest
 
+from icml_jax.config_utils import load_config
 from icml_jax.models import build_model
 from icml_jax.models.mlp import ACTIVATIONS, is_gated
 
@@ -25,9 +26,11 @@ FORMULAS = {  # (gated, numpy act)
 
 
 def _cfg(activation, compare="lt"):
-    return ml_collections.FrozenConfigDict(dict(
-        d_model=8, ffn_dim=16, init_std=0.5, dtype="float32", param_dtype="float32",
-        mlp=dict(activation=activation, sparse_compare=compare)))
+    """configs/lm.py's model section (every key the modules read) at a tiny width."""
+    cfg = load_config("configs/lm.py:tiny", unlocked=True).model
+    cfg.update(d_model=8, ffn_dim=16, init_std=0.5, dtype="float32", param_dtype="float32")
+    cfg.mlp.update(activation=activation, sparse_compare=compare)
+    return ml_collections.FrozenConfigDict(cfg)
 
 
 def _mlp(activation, compare="lt"):

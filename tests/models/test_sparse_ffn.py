@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from absl.testing import parameterized
 
+from icml_jax.config_utils import load_config
 from icml_jax.models import sparse_ffn as sf
 from icml_jax.models.mlp import ACTIVATIONS
 
@@ -17,9 +18,9 @@ D, F = 48, 256
 
 
 def _mlp(activation, compare="lt"):
-    cfg = ml_collections.ConfigDict(dict(
-        d_model=D, ffn_dim=F, dtype="float32", param_dtype="float32", init_std=0.2,
-        mlp=dict(activation=activation, sparse_compare=compare)))
+    cfg = load_config("configs/lm.py:tiny", unlocked=True).model  # every key the modules read
+    cfg.update(d_model=D, ffn_dim=F, dtype="float32", param_dtype="float32", init_std=0.2)
+    cfg.mlp.update(activation=activation, sparse_compare=compare)
     module = ACTIVATIONS.get(activation)(ml_collections.FrozenConfigDict(cfg))
     x = jax.random.normal(jax.random.key(1), (1, 1, D))
     params = nn.meta.unbox(jax.jit(module.init)(jax.random.key(0), x)["params"])

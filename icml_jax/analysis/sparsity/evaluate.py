@@ -138,7 +138,7 @@ def collect_mlp(model: nn.Module, params, batch: Batch, *, with_sites: bool = Fa
     valid = _valid(batch)
     if not valid.any():
         raise ValueError("batch has no tokens with segment_id > 0")
-    scanned = bool(model.cfg.get("scan_layers", False))
+    scanned = bool(model.cfg.scan_layers)
     layers, paths = [], []
     for path in _find_sown(inter, "mlp_acts"):
         acts = _subtree(inter, path)["mlp_acts"][0]
@@ -163,7 +163,7 @@ def collect_gate_up(model: nn.Module, params, batch: Batch, *, require_gate: boo
     valid = _valid(batch)
     if not valid.any():
         raise ValueError("batch has no tokens with segment_id > 0")
-    scanned = bool(model.cfg.get("scan_layers", False))
+    scanned = bool(model.cfg.scan_layers)
     out = []
     for path in _find_sown(inter, "mlp_gate"):
         node = _subtree(inter, path)
@@ -189,7 +189,7 @@ def collect_mlp_batches(model, params, batches: Iterable[Batch]):
 def default_sites(model_cfg) -> MLPSites:
     """The standard decoder's MLP module paths: ``layer_i/mlp`` or scanned ``layers/mlp``."""
     L = model_cfg.num_layers
-    if model_cfg.get("scan_layers", False):
+    if model_cfg.scan_layers:
         return MLPSites([("layers", "mlp")], True, L)
     return MLPSites([(f"layer_{i}", "mlp") for i in range(L)], False, L)
 
