@@ -1,14 +1,21 @@
-"""Helpers shared by the experiments: atomic result files, provenance, cached per-run results.
+"""Helpers shared by the experiments: atomic result files, provenance, cached per-run results,
+presets as ConfigDicts, timed stages, sequence-length rounding and mean ± spread formatting.
 
 Every experiment writes through these so that a killed run never leaves a half-written
 ``results.csv``/``results.md``/``*.json`` behind, and a rerun with the same settings reuses what
 is already computed instead of clobbering it (DESIGN.md, "Conventions").
 """
 import csv
+import hashlib
 import json
+import math
 import os
 import subprocess
+import time
 from typing import Callable, Iterable, Mapping, Sequence
+
+import ml_collections
+import numpy as np
 
 from icml_jax.atomic import atomic_path, write_atomic  # noqa: F401  (write_atomic: for the experiments)
 
@@ -35,19 +42,87 @@ def git_commit() -> str:
         return "unknown"
 
 
-def cached(path: str, key, compute: Callable[[], dict]) -> dict:
+def cached(path: str, key, compute: Callable[[], dict], *, seconds_key: str | None = None) -> dict:
     """Returns the JSON result stored at ``path`` if it was made with the same ``key`` (any
-    JSON-able description of the run: config, experiment settings); otherwise runs ``compute()``,
-    stores ``{"key": key, **result}`` atomically and returns it."""
-    key = json.loads(json.dumps(key))
+    JSON-able description of the run: config, experiment settings; a ConfigDict is read as its
+    ``to_dict()``); otherwise runs ``compute()``, stores ``{"key": key, **result}`` atomically
+    and returns it. With ``seconds_key`` the wall time of ``compute()`` is stored under that name
+    too (a cache hit returns the time measured when it was computed)."""
+    key = json.loads(json.dumps(key, default=_jsonable))
     if os.path.exists(path):
         with open(path) as f:
             old = json.load(f)
         if old.get("key") == key:
             return old
+    elapsed = stopwatch()
     out = {"key": key, **compute()}
+    if seconds_key:
+        out[seconds_key] = elapsed()
     write_json(path, out)
     return out
+
+
+def _jsonable(obj):
+    if isinstance(obj, ml_collections.ConfigDict):
+        return obj.to_dict()
+    raise TypeError(f"{type(obj).__name__} is not JSON-serialisable")
+
+
+def stopwatch() -> Callable[[], float]:
+    """A function returning the seconds since this call (stage timing without t0 bookkeeping)."""
+    t0 = time.time()
+    return lambda: time.time() - t0
+
+
+def preset(**fields) -> ml_collections.ConfigDict:
+    """An experiment preset as a ConfigDict: typo-proof attribute access (``exp.seeds``; a missing
+    key is an error naming it) and ``--key=value`` overrides through ``update_from_flattened_dict``.
+    A run-config override section is a nested dict (``train=dict(train=dict(steps=15))``), since
+    a ConfigDict key cannot hold a dot; ``run_overrides`` flattens it back to ``train.steps``."""
+    return ml_collections.ConfigDict(fields)
+
+
+def run_overrides(section) -> dict:
+    """A preset's nested run-config section as flat ``a.b`` keys (``{"train.steps": 15}``) for
+    ``ConfigDict.update_from_flattened_dict``: the inverse of writing it nested in ``preset``."""
+    if isinstance(section, ml_collections.ConfigDict):
+        section = section.to_dict()
+    return flatten_overrides(section)
+
+
+def round_up(n: int, multiple: int = 8) -> int:
+    """``n`` rounded up to a multiple of ``multiple`` (sequence lengths: one compiled shape for
+    nearby lengths)."""
+    return -(-int(n) // int(multiple)) * int(multiple)
+
+
+SPREADS = ("std", "se", "half_range")
+
+
+def mean_spread(xs: Iterable[float], spread: str = "se") -> tuple[float, float, int]:
+    """(mean, spread, n) of the finite-or-inf values of ``xs`` (NaNs, e.g. a metric a run could
+    not compute, are dropped). ``spread``: ``std`` (sample std, ddof = 1), ``se`` (std / sqrt n)
+    or ``half_range`` ((max - min) / 2, for two or three seeds). One value has spread 0, none
+    gives (nan, nan, 0)."""
+    if spread not in SPREADS:
+        raise ValueError(f"spread={spread!r}; choose one of {SPREADS}")
+    v = np.asarray([x for x in xs if x == x], np.float64)  # numpy's sums: the numbers of before
+    n = len(v)
+    if not n:
+        return float("nan"), float("nan"), 0
+    if n == 1:
+        return float(v[0]), 0.0, 1
+    if spread == "half_range":
+        return float(v.mean()), float(v.max() - v.min()) / 2, n
+    std = float(v.std(ddof=1))
+    return float(v.mean()), (std if spread == "std" else std / math.sqrt(n)), n
+
+
+def pm(mean: float, spread: float, nd: int = 3, na: str = "n/a") -> str:
+    """``mean ± spread`` at ``nd`` decimals; ``na`` when the mean is NaN."""
+    if mean != mean:
+        return na
+    return f"{mean:.{nd}f} ± {spread:.{nd}f}"
 
 
 def markdown_table(header: Sequence[str], rows: Iterable[Sequence]) -> str:
@@ -61,7 +136,6 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence]) -> str:
 
 def digest(obj, length: int = 16) -> str:
     """A short, stable hash of any JSON-able ``obj`` (cache keys, run-folder names)."""
-    import hashlib
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:length]
 
 
