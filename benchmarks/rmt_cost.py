@@ -19,7 +19,6 @@ Results: benchmarks/results/rmt_cost.{json,md} (written atomically).
 """
 import argparse
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -36,10 +35,11 @@ def model_configs(batch: int, seq_len: int) -> dict:
     """name -> config, from the experiment's default preset with the benchmark's batch shape:
     the transformer, the matched RMT at the experiment's Dk (and at Dk = 4, where Dk·Dv equals
     the transformer's D, and at Dk = 32, ``configs/rmt.py:small``'s Dk) and the spec-shaped RMT."""
-    from experiments.rmt.__main__ import PRESETS, matched_ffn_dim, plan, rmt_config
+    from experiments.rmt.presets import PRESETS
+    from experiments.rmt.stages import matched_ffn_dim, plan, rmt_config
     from icml_jax.analysis.flops import param_count
-    exp = json.loads(json.dumps(PRESETS["default"]))
-    exp["train"].update({"train.batch_size": batch, "data.seq_len": seq_len})
+    exp = PRESETS["default"].copy_and_resolve_references()
+    exp.train.train.batch_size, exp.train.data.seq_len = batch, seq_len
     runs = {name: cfg for name, _, _, cfg, _ in plan(exp)}
     out = {"transformer": runs["transformer"], "rmt_matched": runs["rmt_matched"],
            "rmt_spec": runs[f"rmt_dk{exp['main_key_dim']}"]}
@@ -54,13 +54,16 @@ def scaled_pair(exp, d_model: int) -> dict:
     """A wider matched pair, where matmuls weigh more against the residual traffic: the
     transformer at D = ``d_model`` (L=4, heads of 64, D_FF = 4D) and the RMT with Dv = 64,
     R = D/64 and Dk·Dv = 4D (the paper's 305M-vs-405M residual ratio), N_ff matched."""
-    from experiments.rmt.__main__ import matched_ffn_dim, rmt_config, transformer_config
+    from experiments.common import run_overrides
+    from experiments.rmt.stages import matched_ffn_dim, rmt_config, transformer_config
     from icml_jax.analysis.flops import param_count
     H = d_model // 64
     heads = {"model.num_heads": H, "model.num_kv_heads": H, "model.head_dim": 64}
-    wide = dict(exp, transformer={**exp["transformer"], **heads, "model.d_model": d_model,
-                                  "model.ffn_dim": 4 * d_model},
-                rmt={**exp["rmt"], **heads, "model.ffn_dim": 4 * d_model})
+    # the presets' run-config sections are nested ConfigDicts: the stages read them flat too
+    wide = dict(exp.to_dict(),
+                transformer={**run_overrides(exp.transformer), **heads, "model.d_model": d_model,
+                             "model.ffn_dim": 4 * d_model},
+                rmt={**run_overrides(exp.rmt), **heads, "model.ffn_dim": 4 * d_model})
     tf = transformer_config(wide)
     dk = 4 * d_model // 64
     tag = f"{param_count(tf.model) / 1e6:.0f}m"

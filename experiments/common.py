@@ -90,6 +90,20 @@ def run_overrides(section) -> dict:
     return flatten_overrides(section)
 
 
+def record(exp, flat: Sequence[str] = ()) -> dict:
+    """A preset (after the command line's changes) as plain JSON for config.json and cache keys:
+    lists for tuples, and the run-config sections named in ``flat`` (a section, or a list of
+    sections) as flat override keys (``{"train.steps": 15}``), the form they are applied in.
+    Keys come in the ConfigDict's (sorted) order; cache keys compare as dicts, so order is moot."""
+    d = exp.to_dict() if isinstance(exp, ml_collections.ConfigDict) else dict(exp)
+    for k in flat:
+        if k in d:
+            v = d[k]
+            d[k] = ([run_overrides(s) for s in v] if isinstance(v, (list, tuple))
+                    else run_overrides(v))
+    return json.loads(json.dumps(d))
+
+
 def round_up(n: int, multiple: int = 8) -> int:
     """``n`` rounded up to a multiple of ``multiple`` (sequence lengths: one compiled shape for
     nearby lengths)."""

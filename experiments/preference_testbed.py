@@ -119,6 +119,13 @@ DEFAULT = dict(
 PRESETS = {"tiny": TINY, "default": DEFAULT}
 
 
+def preset_dict(name: str) -> dict:
+    """Testbed preset ``name`` as a JSON copy (lists for tuples): what ``build_testbed`` is given
+    and config.json records (a plain dict: its ``sft`` section has dotted override keys, which a
+    ConfigDict cannot hold)."""
+    return json.loads(json.dumps(PRESETS[name]))
+
+
 def sft_config(preset: dict):
     """``configs/lm.py:small`` with the preset's SFT overrides (byte tokenizer, Shakespeare)."""
     from icml_jax.config_utils import load_config

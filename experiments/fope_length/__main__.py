@@ -20,27 +20,26 @@ Writes DIR/config.json, DIR/results.csv (long format), DIR/results.md, DIR/perpl
 and DIR/passkey_<method>.png (teacher-forced accuracy heatmaps, mean over seeds).
 """
 import argparse
+import copy
 import json
 import os
 import sys
-import time
 
-from experiments.common import git_commit, write_atomic, write_csv
+from experiments.common import (cached, git_commit, mean_spread, pm, preset, record, save_figure, stopwatch,
+                                write_atomic, write_csv)
 from icml_jax import xla_env
 
 PRESETS = {
     # seeds, ppl token budget (multiple of 8L), passkey depths and trials per cell, and the share of
     # the training corpus's tokens that are synthetic passkey documents (0 = plain Shakespeare; tiny
     # has none: its L = 32 is shorter than the shortest passkey example)
-    "tiny": dict(seeds=(0, 1), eval_tokens=2048, depths=(0.2, 0.8), trials=2,
-                 passkey_train_fraction=0.0),
-    "default": dict(seeds=(0, 1), eval_tokens=32768, depths=(0.1, 0.5, 0.9), trials=8,
-                    passkey_train_fraction=0.5),
+    "tiny": preset(seeds=(0, 1), eval_tokens=2048, depths=(0.2, 0.8), trials=2,
+                   passkey_train_fraction=0.0),
+    "default": preset(seeds=(0, 1), eval_tokens=32768, depths=(0.1, 0.5, 0.9), trials=8,
+                      passkey_train_fraction=0.5),
 }
 METHODS = ("rope", "fope", "alibi", "nope")
 FACTORS = (1, 2, 4, 8)
-
-
 def passkey_mix_corpus(workdir, data_cfg, tokenizer, seq_len, fraction, seed):
     """Writes (once) and returns the path of a JSONL training corpus: the Shakespeare train-split
     works plus synthetic passkey documents that make up ``fraction`` of its tokens.
@@ -99,39 +98,34 @@ def passkey_mix_corpus(workdir, data_cfg, tokenizer, seq_len, fraction, seed):
 
 
 def run_one(cfg, workdir, exp, stream, tokenizer):
-    """Trains (or resumes) one model and evaluates it; returns its eval dict (cached)."""
+    """Trains (or resumes) one model and evaluates it; returns its eval dict, cached in
+    ``workdir/eval.json`` under the run's config and ``exp`` (a plain dict, ``common.record``)."""
     import jax
     from icml_jax.analysis import length_eval
     from icml_jax.train.trainer import train
-    eval_path = os.path.join(workdir, "eval.json")
+
+    def compute():
+        elapsed = stopwatch()
+        state, summary = train(cfg, workdir)
+        train_s = elapsed()
+        params = jax.device_get(state.params)
+        L = cfg.data.seq_len
+        lengths = [f * L for f in FACTORS]
+        elapsed = stopwatch()
+        ppl = length_eval.perplexity_at_lengths(cfg.model, params, stream, lengths,
+                                                num_tokens=exp["eval_tokens"])
+        pk_lengths = [l for l in lengths if l >= length_eval.passkey_min_length(tokenizer)]
+        pk = length_eval.passkey_grid(cfg.model, params, tokenizer, stream, pk_lengths, exp["depths"],
+                                      trials=exp["trials"], seed=cfg.seed)
+        return {"perplexity": {str(k): v for k, v in ppl.items()}, "passkey": pk,
+                "train_seconds": train_s, "eval_seconds": elapsed(),
+                "final_train_loss": summary.get("loss"), "val_loss": summary.get("eval_loss")}
     key = {"config": json.loads(cfg.to_json_best_effort()), "exp": exp}
-    if os.path.exists(eval_path):
-        with open(eval_path) as f:
-            cached = json.load(f)
-        if cached.get("key") == key:
-            return cached
-    t0 = time.time()
-    state, summary = train(cfg, workdir)
-    train_s = time.time() - t0
-    params = jax.device_get(state.params)
-    L = cfg.data.seq_len
-    lengths = [f * L for f in FACTORS]
-    t0 = time.time()
-    ppl = length_eval.perplexity_at_lengths(cfg.model, params, stream, lengths,
-                                            num_tokens=exp["eval_tokens"])
-    pk_lengths = [l for l in lengths if l >= length_eval.passkey_min_length(tokenizer)]
-    pk = length_eval.passkey_grid(cfg.model, params, tokenizer, stream, pk_lengths, exp["depths"],
-                                  trials=exp["trials"], seed=cfg.seed)
-    out = {"key": key, "perplexity": {str(k): v for k, v in ppl.items()}, "passkey": pk,
-           "train_seconds": train_s, "eval_seconds": time.time() - t0,
-           "final_train_loss": summary.get("loss"), "val_loss": summary.get("eval_loss")}
-    write_atomic(eval_path, json.dumps(out, indent=2))
-    return out
+    return cached(os.path.join(workdir, "eval.json"), key, compute)
 
 
 def aggregate(results, L, exp):
-    """Long-format rows and per-(method, length) mean/spread."""
-    import numpy as np
+    """Long-format rows and per-(method, metric, length, depth) (mean, half the seed range, n)."""
     rows = []
     for (method, seed), r in sorted(results.items()):
         for length, v in r["perplexity"].items():
@@ -145,7 +139,7 @@ def aggregate(results, L, exp):
     for row in rows:
         k = (row["method"], row["metric"], row["length"], row["depth"])
         stats.setdefault(k, []).append(row["value"])
-    stats = {k: (float(np.mean(v)), float(np.max(v) - np.min(v)) / 2, len(v)) for k, v in stats.items()}
+    stats = {k: mean_spread(v, "half_range") for k, v in stats.items()}
     return rows, stats
 
 
@@ -177,7 +171,7 @@ def markdown(stats, methods, L, exp, meta):
         cells = []
         for l in lengths:
             mean, spread, _ = stats[(m, "perplexity", l, "")]
-            cells.append(f"{mean:.2f} ± {spread:.2f}")
+            cells.append(pm(mean, spread, 2))
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     for kind, title in (("teacher_forced", "teacher-forced"), ("greedy", "greedy KV-cache")):
         lines += ["", f"## Passkey digit accuracy, {title} (mean over seeds and depths "
@@ -197,6 +191,7 @@ def markdown(stats, methods, L, exp, meta):
 
 
 def plots(stats, methods, L, exp, workdir):
+    """DIR/perplexity_vs_length.png and DIR/passkey_<method>.png."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -216,8 +211,7 @@ def plots(stats, methods, L, exp, workdir):
     ax.set_title("Perplexity vs context length")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(os.path.join(workdir, "perplexity_vs_length.png"), dpi=110)
-    plt.close(fig)
+    save_figure(fig, os.path.join(workdir, "perplexity_vs_length.png"), dpi=110)
     for m in methods:
         grid = np.array([[stats.get((m, "passkey_teacher_forced", l, d), (np.nan,))[0]
                           for l in lengths] for d in exp["depths"]])
@@ -233,8 +227,7 @@ def plots(stats, methods, L, exp, workdir):
                 ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center", color="w", fontsize=8)
         fig.colorbar(im, ax=ax)
         fig.tight_layout()
-        fig.savefig(os.path.join(workdir, f"passkey_{m}.png"), dpi=110)
-        plt.close(fig)
+        save_figure(fig, os.path.join(workdir, f"passkey_{m}.png"), dpi=110)
 
 
 def main(argv=None):
@@ -252,18 +245,19 @@ def main(argv=None):
     from icml_jax.config_utils import load_config
     from icml_jax.data import build_tokenizer
 
-    t_start = time.time()
-    exp = dict(PRESETS[a.preset])
+    elapsed = stopwatch()
+    exp = copy.deepcopy(PRESETS[a.preset])
     if a.passkey_train_fraction >= 0:
-        exp["passkey_train_fraction"] = a.passkey_train_fraction
-    seeds = tuple(int(s) for s in a.seeds.split(",")) if a.seeds else exp["seeds"]
+        exp.passkey_train_fraction = a.passkey_train_fraction
+    seeds = tuple(int(s) for s in a.seeds.split(",")) if a.seeds else tuple(exp.seeds)
     methods = tuple(m for m in a.methods.split(",") if m)
-    exp["depths"], exp["seeds"] = list(exp["depths"]), list(seeds)
+    exp.seeds = seeds
+    rec = record(exp)
     base = load_config(f"configs/fope.py:{a.preset}", unlocked=True)
     if a.steps:
         base.train.steps = a.steps
     os.makedirs(a.workdir, exist_ok=True)
-    meta_cfg = {"preset": a.preset, "methods": list(methods), "seeds": list(seeds), "exp": exp,
+    meta_cfg = {"preset": a.preset, "methods": list(methods), "seeds": list(seeds), "exp": rec,
                 "eval_factors": list(FACTORS), "base_config": json.loads(base.to_json_best_effort())}
     write_atomic(os.path.join(a.workdir, "config.json"), json.dumps(meta_cfg, indent=2))
     tokenizer = build_tokenizer(base.data.tokenizer)
@@ -279,7 +273,7 @@ def main(argv=None):
                 cfg.data.path = passkey_mix_corpus(a.workdir, base.data, tokenizer, base.data.seq_len,
                                                    exp["passkey_train_fraction"], seed)
             print(f"=== {m} seed {seed} ===", flush=True)
-            results[(m, seed)] = run_one(cfg, os.path.join(a.workdir, f"{m}_s{seed}"), exp, stream,
+            results[(m, seed)] = run_one(cfg, os.path.join(a.workdir, f"{m}_s{seed}"), rec, stream,
                                          tokenizer)
             r = results[(m, seed)]
             print(f"{m} s{seed}: train {r['train_seconds']:.0f}s eval {r['eval_seconds']:.0f}s ppl "
@@ -292,16 +286,17 @@ def main(argv=None):
     meta = {"command": "python -m experiments.fope_length " + " ".join(argv if argv is not None
                                                                        else sys.argv[1:]),
             "commit": git_commit(), "seeds": seeds, "preset": a.preset, "steps": base.train.steps,
-            "wall_seconds": time.time() - t_start, "cpus": os.cpu_count(),
+            "wall_seconds": elapsed(), "cpus": os.cpu_count(),
             "passkey_min_length": length_eval.passkey_min_length(tokenizer),
             "model": f"d_model {m.d_model}, {m.num_layers} layers, {m.num_heads} heads of {m.head_dim}, "
                      f"SwiGLU {m.ffn_dim}, batch {base.train.batch_size} x {L}, lr {base.train.lr}; "
                      f"FoPE gain {m.fope.init_gain}, fixed, pad-sin {m.fope.pad_sin_value}"}
-    write_atomic(os.path.join(a.workdir, "results.md"), markdown(stats, methods, L, exp, meta))
+    md = markdown(stats, methods, L, exp, meta)
+    write_atomic(os.path.join(a.workdir, "results.md"), md)
     plots(stats, methods, L, exp, a.workdir)
-    print(open(os.path.join(a.workdir, "results.md")).read())
+    print(md)
     return stats
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

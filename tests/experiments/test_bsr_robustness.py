@@ -9,8 +9,10 @@ import time
 import numpy as np
 import pytest
 
-from experiments.bsr_robustness.__main__ import (NS, OOD_SPLITS, SPLITS, main, pair_accuracy,
-                                                 presets)
+from experiments import preference_testbed
+from experiments.bsr_robustness.__main__ import main
+from experiments.bsr_robustness.presets import presets, saved_experiment, seeds_of
+from experiments.bsr_robustness.stages import NS, OOD_SPLITS, SPLITS, pair_accuracy
 
 
 @pytest.mark.xdist_group("preference_testbed_tiny")
@@ -101,3 +103,25 @@ def test_presets_compare_like_with_like():
         assert {"bt", "bsr"} <= set(exp["arms"]), name
         assert exp["pair_rule"] in ("all", "best_worst")
     assert OOD_SPLITS == ("val_prompt_ood", "val_response_ood", "val_both_ood")
+
+
+def test_saved_experiment_is_the_plain_dict_the_presets_were_saved_as():
+    # config.json's "experiment" section holds what the plain-dict presets wrote before they
+    # became ConfigDicts (the testbed dict in full, flat train.* keys, lists)
+    tiny = {"testbed": preference_testbed.TINY, "seeds": [0], "arms": ["bt", "bsr"],
+            "pair_rule": "all", "min_gap": 0.0, "bon_draws": 16,
+            "train": {"train.steps": 15, "train.batch_size": 8, "train.lr": 1e-3,
+                      "train.warmup_steps": 2}}
+    assert saved_experiment(presets()["tiny"]) == json.loads(json.dumps(tiny))
+    default = {"testbed": preference_testbed.DEFAULT, "seeds": [0, 1], "arms": ["bt", "bsr"],
+               "pair_rule": "all", "min_gap": 0.0, "bon_draws": 64, "arm_seeds": {"bsr_1e-2": [0]},
+               "train": {"train.steps": 150, "train.batch_size": 16, "train.lr": 3e-3,
+                         "train.warmup_steps": 10}}
+    assert saved_experiment(presets()["default"]) == json.loads(json.dumps(default))
+    exp = presets()["tiny"]  # --seeds empties arm_seeds
+    exp.seeds, exp.arm_seeds, exp.train.train.steps = (3, 4), {}, 7
+    saved = saved_experiment(exp)
+    assert saved["arm_seeds"] == {} and saved["seeds"] == [3, 4]
+    assert saved["train"] == {**tiny["train"], "train.steps": 7}
+    assert seeds_of(presets()["default"], "bsr_1e-2") == (0,)
+    assert seeds_of(presets()["default"], "bsr") == (0, 1)

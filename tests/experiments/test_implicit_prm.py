@@ -8,7 +8,9 @@ import time
 import numpy as np
 import pytest
 
-from experiments.implicit_prm.__main__ import CSV_FIELDS, PRESETS, bon_over_orders, main, selector_scores
+from experiments.implicit_prm.__main__ import main
+from experiments.implicit_prm.presets import PRESETS, record
+from experiments.implicit_prm.report import CSV_FIELDS, bon_over_orders, selector_scores
 
 
 def test_selector_scores_and_orders():
@@ -26,6 +28,19 @@ def test_selector_scores_and_orders():
     perms = [np.array([0, 1]), np.array([1, 0])]
     res = bon_over_orders(np.array([[1.0, 0.0]]), np.array([[True, False]]), [1, 2], perms)
     assert res == {1: 0.5, 2: 1.0}
+
+
+def test_presets_record_keeps_the_stored_layout():
+    # config.json's "experiment" holds what it held before the ConfigDict presets: flat
+    # run-config keys, JSON lists
+    rec = record(PRESETS["default"])
+    assert rec["knobs"] == {"num_steps": 3, "digits": 2, "operators": "+-"}
+    assert rec["generator"]["model.d_model"] == 128 and rec["prm"]["train.steps"] == 100
+    assert rec["generator"]["train.steps"] == 400 and rec["ns"] == [1, 2, 4, 8, 16, 32]
+    assert rec["generator_continue"][1] == {"train.steps": 1000, "train.warmup_steps": 20,
+                                            "train.lr": 2e-3, "train.eval_every": 1000,
+                                            "train.checkpoint_every": 500}
+    assert "generator_continue" not in record(PRESETS["tiny"])
 
 
 @pytest.mark.xdist_group("implicit_prm_tiny_run")
@@ -64,6 +79,9 @@ def test_implicit_prm_tiny(implicit_prm_tiny_run, session_tfds_dir, monkeypatch)
     assert set(samples) == {"key", "groups"}  # no step labels stored with the training samples
 
     cfg = json.load(open(os.path.join(wd, "config.json")))
+    # the preset is stored as before it was a ConfigDict: flat run-config keys, JSON lists
+    assert cfg["experiment"] == record(exp) and cfg["experiment"]["ce_responses"] == [2, 4]
+    assert cfg["experiment"]["prm"]["train.steps"] == exp.prm.train.steps
     prm_cfgs = cfg["info"]["prm_configs"]
     gen_model = json.load(open(os.path.join(wd, "generator", "config.json")))["model"]
     for name, c in prm_cfgs.items():

@@ -9,7 +9,8 @@ import jax
 import numpy as np
 import pytest
 
-from experiments.precision_recall.__main__ import CSV_FIELDS, PRESETS, main
+from experiments.precision_recall.__main__ import PRESETS, main
+from experiments.precision_recall.report import CSV_FIELDS
 from icml_jax.config_utils import load_config
 from icml_jax.tasks import TASKS
 from icml_jax.analysis.sequence_logprobs import encode_strings, sequence_logprobs

@@ -6,8 +6,11 @@ import os
 
 import pytest
 
-from experiments.rmt.__main__ import (CSV_FIELDS, PRESETS, main, tokens_to_reach, train_one,
-                                     transformer_config)
+from experiments.common import run_overrides
+from experiments.rmt.__main__ import main
+from experiments.rmt.presets import PRESETS, as_dict
+from experiments.rmt.report import CSV_FIELDS, tokens_to_reach
+from experiments.rmt.stages import train_one, transformer_config
 
 
 def test_rmt_tiny_outputs_and_resume(tmp_path, monkeypatch):
@@ -30,7 +33,7 @@ def test_rmt_tiny_outputs_and_resume(tmp_path, monkeypatch):
     for r in rows:
         by_run.setdefault(r["run"], []).append(r)
     assert sorted(by_run) == sorted(names)
-    t = exp["train"]
+    t = run_overrides(exp.train)
     t_steps = t["train.steps"]
     per_step = t["train.batch_size"] * t["data.seq_len"]
     n_evals = t["train.steps"] // t["train.eval_every"]
@@ -77,7 +80,7 @@ def test_rmt_tiny_outputs_and_resume(tmp_path, monkeypatch):
     # a changed cache key (e.g. a new base-config key) makes the trainer resume from the final
     # checkpoint: it only re-evaluates, and the measured training time is kept
     first = results[("transformer", 0)]
-    cfg = transformer_config(json.loads(json.dumps(exp)))
+    cfg = transformer_config(exp)
     again = train_one(cfg, os.path.join(wd, "transformer_s0"))
     assert again["wall_seconds"] == pytest.approx(first["wall_seconds"])
     assert again["final_eval_loss"] == pytest.approx(first["final_eval_loss"], abs=1e-5)
@@ -96,3 +99,23 @@ def test_tokens_to_reach_interpolates():
 def test_bad_arguments_stop_with_a_message(tmp_path):
     with pytest.raises(SystemExit, match="--seeds"):
         main([f"--workdir={tmp_path}", "--preset=tiny", "--seeds=a,b"])
+
+
+def test_presets_are_saved_as_the_former_flat_dicts():
+    """config.json's "exp" section keeps the content (flat run-config keys) the presets had as
+    plain dicts."""
+    saved = as_dict(PRESETS["tiny"])
+    assert saved == json.loads(
+        '{"seeds": [0], "sweep_seeds": [0], "key_dims": [2, 8], "main_key_dim": 8, '
+        '"transformer": {"model.d_model": 32, "model.num_layers": 1, "model.num_heads": 2, '
+        '"model.num_kv_heads": 2, "model.head_dim": 16, "model.ffn_dim": 64, '
+        '"model.mlp.activation": "gelu_tanh", "model.tie_embeddings": false, '
+        '"model.position": "alibi", "model.max_seq_len": 128}, '
+        '"rmt": {"model.num_layers": 1, "model.num_heads": 2, "model.num_kv_heads": 2, '
+        '"model.head_dim": 16, "model.ffn_dim": 64, "model.max_seq_len": 128}, '
+        '"lr": {"transformer": 0.01, "rmt": 0.01}, '
+        '"train": {"data.seq_len": 128, "train.steps": 24, "train.batch_size": 4, '
+        '"train.warmup_steps": 3, "train.log_every": 4, "train.eval_every": 8, '
+        '"train.eval_batches": 2, "train.checkpoint_every": 12}}')
+    assert set(as_dict(PRESETS["default"])) == set(saved)
+    assert as_dict(PRESETS["default"])["rmt"] == {}

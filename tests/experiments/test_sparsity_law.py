@@ -6,7 +6,8 @@ import os
 
 import pytest
 
-from experiments.sparsity_law.__main__ import ACTIVATIONS, FIELDS, eval_steps, load_params, main
+from experiments.sparsity_law.__main__ import eval_steps, load_params, main
+from experiments.sparsity_law.report import ACTIVATIONS, FIELDS
 
 
 def test_eval_steps_are_log_spaced_checkpoints():

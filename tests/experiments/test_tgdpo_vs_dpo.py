@@ -10,13 +10,34 @@ import time
 import numpy as np
 import pytest
 
-from experiments.tgdpo_vs_dpo.__main__ import CSV_FIELDS, PRESETS, main, per_prompt_win, win_rate
+from experiments import preference_testbed
+from experiments.tgdpo_vs_dpo.__main__ import main
+from experiments.tgdpo_vs_dpo.presets import PRESETS, saved_experiment
+from experiments.tgdpo_vs_dpo.report import CSV_FIELDS
+from experiments.tgdpo_vs_dpo.stages import per_prompt_win, win_rate
 
 
 def test_win_rate_counts_ties_as_half():
     assert win_rate([1.0, 0.0], [0.0]) == pytest.approx(0.75)
     assert win_rate([0.0], [0.0, 0.5]) == pytest.approx(0.25)
     assert per_prompt_win([[1.0], [-1.0]], [[0.0], [0.0]]) == [1.0, 0.0]
+
+
+def test_saved_experiment_is_the_preset_dict_of_before():
+    # config.json's "experiment" section holds what it held when the presets were plain dicts:
+    # the testbed dict in full, lists, flat train.* keys
+    exp = saved_experiment(PRESETS["tiny"])
+    assert set(exp) == {"testbed", "seeds", "alphas", "guidance_seed", "beta", "eval_samples",
+                        "eval_temperature", "eval_seed", "eval_batch_size", "train"}
+    assert exp["testbed"] == json.loads(json.dumps(preference_testbed.TINY))
+    assert exp["seeds"] == [0] and exp["alphas"] == [0.5]
+    assert exp["train"] == {
+        "train.steps": 10, "train.batch_size": 4, "train.lr": 1e-3, "train.warmup_steps": 1,
+        "train.log_every": 2, "train.eval_every": 10, "train.checkpoint_every": 10,
+        "train.async_checkpoint": False}
+    default = saved_experiment(PRESETS["default"])
+    assert default["testbed"] == json.loads(json.dumps(preference_testbed.DEFAULT))
+    assert default["train"]["train.checkpoint_every"] == 30 and default["seeds"] == [0, 1]
 
 
 @pytest.mark.xdist_group("preference_testbed_tiny")
@@ -65,7 +86,7 @@ def test_tgdpo_vs_dpo_tiny_outputs_and_rerun(tmp_path, monkeypatch, preference_t
         assert -1.0 <= float(r["mean_gold"]) <= 1.0
     assert float(by["sft"]["kl"]) == pytest.approx(0.0, abs=1e-4)  # the SFT policy is the reference
     for name in ("dpo_s0", "tgdpo_a0.5_s0"):
-        assert int(by[name]["steps"]) == exp["train"]["train.steps"]
+        assert int(by[name]["steps"]) == exp.train.train.steps
         assert 0.0 <= float(by[name]["train_accuracy"]) <= 1.0
         assert math.isfinite(float(by[name]["train_loss"]))
         assert abs(float(by[name]["kl"])) > 1e-5  # training moved the policy off the reference
@@ -74,8 +95,8 @@ def test_tgdpo_vs_dpo_tiny_outputs_and_rerun(tmp_path, monkeypatch, preference_t
     # eval samples: eval_samples per held-out prompt, the same sampling seed for every policy
     res = json.load(open(os.path.join(wd, "dpo_s0", "result.json")))
     assert all(len(g["responses"]) == exp["eval_samples"] for g in res["groups"])
-    assert len(res["groups"]) == exp["testbed"]["prompts"]["tgdpo_eval"]
-    assert [c["step"] for c in res["curve"]][-1] == exp["train"]["train.steps"]
+    assert len(res["groups"]) == preference_testbed.PRESETS[exp.testbed]["prompts"]["tgdpo_eval"]
+    assert [c["step"] for c in res["curve"]][-1] == exp.train.train.steps
 
     md = open(os.path.join(wd, "results.md")).read()
     assert "Command: `python -m experiments.tgdpo_vs_dpo" in md and "seeds [0]" in md
