@@ -196,7 +196,6 @@ def train_run(cfg, workdir: str):
     with another config is wiped first (its state must not be resumed into this run). Returns
     (summary, the metrics.jsonl rows of train steps, seconds spent)."""
     import shutil
-    import time
 
     from icml_jax.train.metrics import read_metrics
     from icml_jax.train.trainer import train_and_evaluate
@@ -208,10 +207,10 @@ def train_run(cfg, workdir: str):
                 shutil.rmtree(workdir)
     os.makedirs(workdir, exist_ok=True)
     write_json(key_path, cfg_dict)
-    t0 = time.time()
+    elapsed = stopwatch()
     summary = train_and_evaluate(cfg, workdir)
     rows = [r for r in read_metrics(os.path.join(workdir, "metrics.jsonl")) if "loss" in r]
-    return summary, rows, time.time() - t0
+    return summary, rows, elapsed()
 
 
 def save_figure(fig, path: str, dpi: int = 110) -> None:

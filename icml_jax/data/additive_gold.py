@@ -108,10 +108,14 @@ def make_world(seed: int = 0, *, num_letters: int = 8, concentration: float = 1.
 
 def make_splits(world: AdditiveWorld, seed: int, *, n_train: int, n_val: int, n_per_prompt: int,
                 prompt_len: int, response_len: int, tilt: float = 1.0,
-                ood_temperature: float = 2.0) -> dict[str, list[Group]]:
+                ood_temperature: float = 2.0, n_bon: int = 0,
+                bon_per_prompt: int = 0) -> dict[str, list[Group]]:
     """Groups for training and evaluation: ``train`` and ``val_in`` (prompts from the chain,
-    disjoint sets), ``val_prompt_ood`` (prompts from the ``tilt``-ed chain) and ``val_temp_ood``
-    (in-domain prompts, responses at ``ood_temperature``)."""
+    disjoint sets), ``val_prompt_ood`` (prompts from the ``tilt``-ed chain), ``val_temp_ood``
+    (in-domain prompts, responses at ``ood_temperature``), ``val_both_ood`` (the tilted prompts,
+    responses at ``ood_temperature``) and, with ``n_bon``, ``bon``: ``n_bon`` further in-domain
+    prompts with ``bon_per_prompt`` responses each (best-of-N). The later parts are drawn after
+    the earlier ones, so adding them leaves the earlier parts as they were."""
     rng = np.random.default_rng(seed)
     pool = list(dict.fromkeys(world.sample(4 * (n_train + 2 * n_val), prompt_len, rng)))
     if len(pool) < n_train + 2 * n_val:
@@ -122,8 +126,21 @@ def make_splits(world: AdditiveWorld, seed: int, *, n_train: int, n_val: int, n_
     used = set(pool[:n_train + 2 * n_val])
     ood_p = [p for p in dict.fromkeys(world.sample(4 * n_val, prompt_len, rng, tilt=tilt))
              if p not in used][:n_val]
-    return {"train": world.groups(train_p, n_per_prompt, response_len, rng),
-            "val_in": world.groups(val_p, n_per_prompt, response_len, rng),
-            "val_prompt_ood": world.groups(ood_p, n_per_prompt, response_len, rng),
-            "val_temp_ood": world.groups(temp_p, n_per_prompt, response_len, rng,
-                                         temperature=ood_temperature)}
+    out = {"train": world.groups(train_p, n_per_prompt, response_len, rng),
+           "val_in": world.groups(val_p, n_per_prompt, response_len, rng),
+           "val_prompt_ood": world.groups(ood_p, n_per_prompt, response_len, rng),
+           "val_temp_ood": world.groups(temp_p, n_per_prompt, response_len, rng,
+                                        temperature=ood_temperature)}
+    out["val_both_ood"] = world.groups(ood_p, n_per_prompt, response_len, rng,
+                                       temperature=ood_temperature)
+    if n_bon:
+        if bon_per_prompt < 1:
+            raise ValueError(f"n_bon={n_bon} needs bon_per_prompt >= 1, got {bon_per_prompt}")
+        used |= set(ood_p)
+        bon_p = [p for p in dict.fromkeys(world.sample(4 * n_bon, prompt_len, rng))
+                 if p not in used][:n_bon]
+        if len(bon_p) < n_bon:
+            raise ValueError(f"only {len(bon_p)} unused prompts of {prompt_len} letters for "
+                             f"n_bon={n_bon}; raise prompt_len or lower n_bon")
+        out["bon"] = world.groups(bon_p, bon_per_prompt, response_len, rng)
+    return out

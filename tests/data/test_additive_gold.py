@@ -49,12 +49,25 @@ def test_the_shifts_move_the_distribution(world):
 
 
 def test_splits_are_disjoint_groups_with_gold(world, splits):
-    assert set(splits) == {"train", "val_in", "val_prompt_ood", "val_temp_ood"}
+    assert set(splits) == {"train", "val_in", "val_prompt_ood", "val_temp_ood", "val_both_ood"}
     prompts = {k: {g["prompt"] for g in v} for k, v in splits.items()}
     assert not prompts["train"] & (prompts["val_in"] | prompts["val_prompt_ood"] | prompts["val_temp_ood"])
-    for g in splits["val_temp_ood"]:
+    assert prompts["val_both_ood"] == prompts["val_prompt_ood"]
+    for g in splits["val_temp_ood"] + splits["val_both_ood"]:
         assert g["temperature"] == 2.0 and len(g["responses"]) == 6
         np.testing.assert_allclose(g["gold"], world.gold_reward(g["responses"]))
+
+
+def test_best_of_n_part_adds_fresh_prompts_and_leaves_the_others(world, splits):
+    more = ag.make_splits(world, 1, n_train=40, n_val=20, n_per_prompt=6, prompt_len=6,
+                          response_len=10, n_bon=5, bon_per_prompt=32)
+    assert {k: more[k] for k in splits} == splits  # drawn after the other parts
+    bon = {g["prompt"] for g in more["bon"]}
+    assert len(bon) == 5 and all(len(g["responses"]) == 32 for g in more["bon"])
+    assert not bon & {g["prompt"] for k in splits for g in splits[k]}
+    with pytest.raises(ValueError, match="bon_per_prompt"):
+        ag.make_splits(world, 1, n_train=4, n_val=2, n_per_prompt=2, prompt_len=6,
+                       response_len=4, n_bon=2)
 
 
 def test_pilot_letter_counts_learn_the_preference_and_length_does_not(world, splits):
