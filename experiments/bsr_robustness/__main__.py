@@ -1,6 +1,10 @@
 """Reward-model robustness: Bradley-Terry vs BT + BSR on the gold-scored preference testbed.
 
-  python -m experiments.bsr_robustness --workdir=DIR [--preset=tiny|default] [--testbed=TESTBED]
+  python -m experiments.bsr_robustness --workdir=DIR [--preset=tiny|default|additive_tiny|additive]
+      [--testbed=TESTBED]
+
+(``additive*``: the token-additive gold world of icml_jax/data/additive_gold.py instead of the
+sentiment testbed; reward models from scratch, no SFT policy; see docs/methods/bsr.md.)
 
 The small-scale reproduction of docs/methods/bsr.md (Hong et al., ICML 2025). Steps:
 

@@ -27,6 +27,26 @@ def presets() -> dict:
             # 1e-3 -> 0.509, 80 steps at 3e-3 -> 0.527. CPU time allows ~150 steps per run.
             train=dict(train=dict(steps=150, batch_size=16, lr=3e-3, warmup_steps=10)),
         ),
+        # the token-additive gold world (icml_jax/data/additive_gold.py): exact gold, a reward
+        # model trained from scratch (configs/reward_model.py:tiny's decoder, no SFT backbone),
+        # OOD = tilted prompts / hot responses / both; best-of-N up to N = 256
+        "additive_tiny": preset(
+            world=dict(seed=0, num_letters=8, split_seed=1, n_train=40, n_val=8, n_per_prompt=4,
+                       prompt_len=6, response_len=10, tilt=1.0, ood_temperature=2.0, n_bon=4,
+                       bon_per_prompt=16),
+            model="configs/reward_model.py:tiny", ns=(1, 2, 4, 8, 16),
+            seeds=(0,), arms=("bt", "bsr"), pair_rule="all", min_gap=0.0, bon_draws=8,
+            train=dict(train=dict(steps=10, batch_size=8, lr=3e-3, warmup_steps=2)),
+        ),
+        "additive": preset(
+            world=dict(seed=0, num_letters=8, split_seed=1, n_train=200, n_val=40,
+                       n_per_prompt=4, prompt_len=6, response_len=10, tilt=1.0,
+                       ood_temperature=2.0, n_bon=32, bon_per_prompt=256),
+            model="configs/reward_model.py:tiny", ns=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+            seeds=(0, 1, 2), arms=("bt", "bsr"), pair_rule="all", min_gap=0.0, bon_draws=64,
+            # the pilot's setting (tests/tasks/test_additive_gold_pilot.py: 0.955 at 150 steps)
+            train=dict(train=dict(steps=150, batch_size=32, lr=3e-3, warmup_steps=10)),
+        ),
     }
 
 
@@ -38,4 +58,7 @@ def seeds_of(exp, arm: str) -> tuple[int, ...]:
 def saved_experiment(exp) -> dict:
     """``exp`` (after the command-line overrides) as config.json's "experiment" section: the
     testbed preset in full and the reward-model overrides as flat ``train.*`` keys."""
-    return {**record(exp, flat=("train",)), "testbed": preference_testbed.preset_dict(exp.testbed)}
+    out = record(exp, flat=("train",))
+    if "testbed" in exp:
+        out["testbed"] = preference_testbed.preset_dict(exp.testbed)
+    return out

@@ -6,7 +6,7 @@ import os
 import numpy as np
 
 from experiments.bsr_robustness.presets import ARMS, seeds_of
-from experiments.bsr_robustness.stages import NS, OOD_SPLITS, SPLITS
+from experiments.bsr_robustness.stages import OOD_SPLITS, SPLITS, ns_of
 from experiments.common import (git_commit, markdown_table, pm, save_figure, write_atomic,
                                 write_csv, write_json)
 
@@ -48,8 +48,10 @@ def write_config(wd: str, preset_name: str, experiment: dict, tb_dir: str, data:
     return stats
 
 
-def reading(agg: dict, arms, seeds, refs, n_val_pairs: int) -> list[str]:
+def reading(agg: dict, arms, seeds, refs, n_val_pairs: int, gold: str = "a VADER gold") -> list[str]:
     """Plain statements generated from the numbers (so a rerun cannot contradict them)."""
+    ns = list(refs["oracle"]["n"])
+    top, mid = ns[-1], (8 if 8 in ns[:-1] else ns[len(ns) // 2])
     if "bt" not in agg or "bsr" not in agg:
         return ["* Needs both the bt and bsr arms for a comparison."]
     bt, bs = agg["bt"], agg["bsr"]
@@ -96,28 +98,28 @@ def reading(agg: dict, arms, seeds, refs, n_val_pairs: int) -> list[str]:
                     f"({'lower' if better else 'higher'}{'' if one else (', beyond seed std' if res else ', within seed std')})")
     lines.append("* **Dispersion on val_in (BT → BSR).** " + "; ".join(disp) + ".")
     g = lambda a, n: a[f"bon_gold_N{n}"][0]
-    peak = lambda a: max(NS, key=lambda n: g(a, n))
+    peak = lambda a: max(refs["oracle"]["n"], key=lambda n: g(a, n))
     lines.append(
-        f"* **Best-of-N gold (N = 1 / 8 / 64).** BT {g(bt, 1):.3f} / {g(bt, 8):.3f} / {g(bt, 64):.3f} "
-        f"(peak at N = {peak(bt)}), BSR {g(bs, 1):.3f} / {g(bs, 8):.3f} / {g(bs, 64):.3f} (peak at "
-        f"N = {peak(bs)}); oracle {refs['oracle']['gold'][-1]:.3f} and random "
-        f"{refs['random']['gold'][-1]:.3f} at N = 64.")
+        f"* **Best-of-N gold (N = 1 / {mid} / {top}).** BT {g(bt, 1):.3f} / {g(bt, mid):.3f} / "
+        f"{g(bt, top):.3f} (peak at N = {peak(bt)}), BSR {g(bs, 1):.3f} / {g(bs, mid):.3f} / "
+        f"{g(bs, top):.3f} (peak at N = {peak(bs)}); oracle {refs['oracle']['gold'][-1]:.3f} and "
+        f"random {refs['random']['gold'][-1]:.3f} at N = {top}.")
     acc_close = abs(da) <= 0.03
     tau_dir = n_better >= 2
     disp_dir = cmp("reward_std", True)[1] and cmp("hidden_norm_std", True)[1]
-    bon_dir = g(bs, 64) > g(bt, 64) and peak(bs) >= peak(bt)
+    bon_dir = g(bs, top) > g(bt, top) and peak(bs) >= peak(bt)
     verdicts = [("both above chance", all(learned.values())),
                 ("similar in-domain accuracy (|Δ| ≤ 0.03)", acc_close),
                 ("lower dispersion of rewards and ‖h‖ with BSR", disp_dir),
                 ("higher OOD τ with BSR on most splits", tau_dir),
-                ("best-of-N gold at N = 64 higher with BSR, peaking no earlier", bon_dir)]
+                (f"best-of-N gold at N = {top} higher with BSR, peaking no earlier", bon_dir)]
     shown = sum(v for _, v in verdicts[2:])
     lines.append("* **The paper's direction here.** " + "; ".join(
         f"{t}: {'yes' if v else 'no'}" for t, v in verdicts) +
         f". {shown}/3 of the paper's predicted effects show"
         + (" on one seed." if one else f" on the seed means ({len(seeds)} seeds); see the ± "
            "columns for which differences exceed the seed spread.") +
-        " This is a tiny byte-level model on a VADER gold, not the paper's 8B setting" +
+        f" This is a tiny byte-level model on {gold}, not the paper's 8B setting" +
         ("." if all(learned.values()) else
          "; with a model at chance the direction is not tested here."))
     if "bsr_1e-2" in agg:
@@ -145,11 +147,12 @@ def write_plots(wd, exp, arms, curves, refs, agg, results):
                     label=ARM_LABEL[a])
     for name, ls in (("oracle", "--"), ("random", ":")):
         ax.plot(kl, refs[name]["gold"], ls, color="gray", label=f"{name} pick")
-    for x, n in zip(kl, NS):
+    for x, n in zip(kl, ns_of(exp)):
         ax.annotate(f"N={n}", (x, ax.get_ylim()[0]), fontsize=7, ha="center", va="bottom")
     ax.set_xlabel("KL(best-of-N ‖ policy) bound, nats  [log N − (N−1)/N]")
     ax.set_ylabel("gold reward of the proxy's pick")
-    ax.set_title("Best-of-N on held-out prompts (gold = VADER)")
+    ax.set_title("Best-of-N on held-out prompts (gold = "
+                 f"{'token-additive' if 'world' in exp else 'VADER'})")
     ax.legend(fontsize=7)
     fig.tight_layout()
     save_figure(fig, os.path.join(wd, "best_of_n.png"), dpi=120)
@@ -193,13 +196,20 @@ def write_results_md(wd: str, *, preset_name: str, cmd: str, exp, arms, seeds, t
     extra = "".join(f" ({x}: {list(seeds_of(exp, x))})" for x in arms
                     if seeds_of(exp, x) != seeds)
     train_total = sum(r["train_seconds"] for r in results.values())
-    md = [f"# BT vs BT+BSR reward models: robustness on the VADER-gold testbed ({preset_name})\n",
-          f"Command: `{cmd}` · seeds {list(seeds)}{extra} · commit {git_commit()} · testbed "
-          f"`{tb_dir}` (built/loaded in {data['testbed_s']:.0f} s this run; SFT "
-          f"{testbed['sft']['seconds']:.0f} s when built) · reward-model training "
+    additive = "world" in exp
+    model = testbed["sft_config"]["model"]
+    backbone = (f"a fresh decoder ({model['num_layers']} layers, d={model['d_model']}, byte tokens; "
+                f"`{exp.model}`) trained from scratch with its scalar head" if additive else
+                f"the SFT policy's decoder ({model['num_layers']} layers, d={model['d_model']}, "
+                "byte tokens) + a fresh scalar head")
+    md = [f"# BT vs BT+BSR reward models: robustness on the "
+          f"{'token-additive gold world' if additive else 'VADER-gold testbed'} ({preset_name})\n",
+          f"Command: `{cmd}` · seeds {list(seeds)}{extra} · commit {git_commit()} · " +
+          (f"world generated in {data['testbed_s']:.0f} s" if additive else
+           f"testbed `{tb_dir}` (built/loaded in {data['testbed_s']:.0f} s this run; SFT "
+           f"{testbed['sft']['seconds']:.0f} s when built)") + " · reward-model training "
           f"{train_total:.0f} s in all when trained · this run {run_seconds():.0f} s.\n",
-          f"Setup: the SFT policy's decoder ({testbed['sft_config']['model']['num_layers']} layers, "
-          f"d={testbed['sft_config']['model']['d_model']}, byte tokens) + a fresh scalar head; "
+          f"Setup: {backbone}; "
           f"{n_train} training pairs (every gold-untied pair of the {len(groups['train'])} "
           f"`train` groups, rule `{exp.pair_rule}`, min_gap {exp.min_gap}), "
           f"{n_val} val_in pairs; {t.steps} steps × {t.batch_size} pairs, "
@@ -207,7 +217,7 @@ def write_results_md(wd: str, *, preset_name: str, cmd: str, exp, arms, seeds, t
           f"as configs/lm.py's schedule), seq_len {seq_len}. BSR: λ_eff = λ·B_dev "
           f"(= λ·{t.batch_size}), local batch mean. The seed sets the data order and the "
           f"score-head init. Gold ties: {stats['val_in']['frac_tied_pairs']:.0%} of val_in "
-          f"response pairs have equal gold (mostly both 0: no sentiment word) and are not "
+          f"response pairs have equal gold{'' if additive else ' (mostly both 0: no sentiment word)'} and are not "
           f"labelled; τ leaves out groups with constant gold. Dispersion is over the "
           f"{stats['val_in']['responses']} val_in responses ('reward std, all val' over the union "
           f"of the four val splits is in results.csv). ± is the std over seeds.\n",
@@ -223,8 +233,8 @@ def write_results_md(wd: str, *, preset_name: str, cmd: str, exp, arms, seeds, t
                          [[n, round(refs["oracle"]["kl_bound"][i], 3)] +
                           [_pm(agg[x][f"bon_gold_N{n}"]) for x in arms] +
                           [round(refs["oracle"]["gold"][i], 4), round(refs["random"]["gold"][i], 4)]
-                          for i, n in enumerate(NS)]),
-          "\n## Reading\n", "\n".join(reading(agg, arms, seeds, refs, n_val)) + "\n",
+                          for i, n in enumerate(ns_of(exp))]),
+          "\n## Reading\n", "\n".join(reading(agg, arms, seeds, refs, n_val, "a token-additive gold" if additive else "a VADER gold")) + "\n",
           "\nPlots: `best_of_n.png` (gold vs the KL bound), `kendall_tau.png` (τ per split), "
           "`dispersion.png` (val_in reward and ‖h‖ histograms, first seed).\n"]
     text = "\n".join(md)

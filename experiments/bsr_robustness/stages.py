@@ -10,9 +10,36 @@ from experiments.common import cached, digest, mean_spread, round_up, run_overri
 
 SPLITS = ("val_in", "val_prompt_ood", "val_response_ood", "val_both_ood")
 OOD_SPLITS = SPLITS[1:]
-NS = (1, 2, 4, 8, 16, 32, 64)
+NS = (1, 2, 4, 8, 16, 32, 64)  # best-of-N sizes unless a preset gives its own ``ns``
 QUIET = {"train.samples": 0, "train.progress": False, "train.async_checkpoint": False,
          "train.min_lr_ratio": 0.0, "train.weight_decay": 0.0}
+
+
+def ns_of(exp) -> tuple[int, ...]:
+    """The best-of-N sizes of ``exp``: its ``ns`` if given, else ``NS``."""
+    return tuple(int(n) for n in exp.ns) if "ns" in exp else NS
+
+
+def additive_testbed(exp) -> dict:
+    """The token-additive gold world's groups (``icml_jax.data.additive_gold``) in the testbed's
+    layout: ``val_response_ood`` are the hot responses (``val_temp_ood`` there), no SFT policy
+    (``sft_workdir`` empty: the reward model starts from scratch, with ``exp.model``'s decoder)."""
+    from icml_jax.config_utils import load_config
+    from icml_jax.data import additive_gold as ag
+    from icml_jax.data import sentiment_testbed as tb
+    w = exp.world
+    world = ag.make_world(int(w.seed), num_letters=int(w.num_letters))
+    splits = ag.make_splits(world, int(w.split_seed), n_train=int(w.n_train), n_val=int(w.n_val),
+                            n_per_prompt=int(w.n_per_prompt), prompt_len=int(w.prompt_len),
+                            response_len=int(w.response_len), tilt=float(w.tilt),
+                            ood_temperature=float(w.ood_temperature), n_bon=int(w.n_bon),
+                            bon_per_prompt=int(w.bon_per_prompt))
+    splits["val_response_ood"] = splits.pop("val_temp_ood")
+    base = load_config(exp.model)
+    return {"groups": splits, "stats": {k: tb.gold_stats(v) for k, v in splits.items()},
+            "sft_config": {"model": base.model.to_dict(),
+                           "data": {"tokenizer": base.data.tokenizer.to_dict()}},
+            "sft_workdir": "", "sft": {"seconds": 0.0}}
 
 
 def prepare(wd: str, tb_dir: str, exp) -> dict:
@@ -27,7 +54,8 @@ def prepare(wd: str, tb_dir: str, exp) -> dict:
     from icml_jax.data.tokenizers import build_tokenizer
     os.makedirs(wd, exist_ok=True)
     elapsed = stopwatch()
-    testbed = build_testbed(tb_dir, preset_dict(exp.testbed))
+    testbed = (additive_testbed(exp) if "world" in exp
+               else build_testbed(tb_dir, preset_dict(exp.testbed)))
     testbed_s = elapsed()
     groups = testbed["groups"]
 
@@ -167,8 +195,8 @@ def run_metrics(res: dict, groups: dict, exp) -> tuple[dict, dict]:
              reward_std_all_val=float(r_all.std()), hidden_norm_mean=float(h_in.mean()),
              hidden_norm_std=float(h_in.std()),
              hidden_norm_cv=float(h_in.std() / max(h_in.mean(), 1e-12)))
-    bon = tb.best_of_n_curve(sc["bon"]["reward"], gold["bon"], NS, num_draws=exp.bon_draws,
-                             seed=0)
+    bon = tb.best_of_n_curve(sc["bon"]["reward"], gold["bon"], ns_of(exp),
+                             num_draws=exp.bon_draws, seed=0)
     for n, gv, pv in zip(bon["n"], bon["gold"], bon["proxy"]):
         m[f"bon_gold_N{n}"] = gv
         m[f"bon_proxy_N{n}"] = pv
@@ -179,8 +207,9 @@ def reference_bon(groups: dict, exp) -> dict:
     """Oracle (gold as the proxy) and random-pick best-of-N curves on ``bon``."""
     from icml_jax.data import sentiment_testbed as tb
     gold = [g["gold"] for g in groups["bon"]]
-    return {"oracle": tb.best_of_n_curve(gold, gold, NS, num_draws=exp.bon_draws, seed=0),
-            "random": tb.best_of_n_curve([[0.0] * len(g) for g in gold], gold, NS,
+    ns = ns_of(exp)
+    return {"oracle": tb.best_of_n_curve(gold, gold, ns, num_draws=exp.bon_draws, seed=0),
+            "random": tb.best_of_n_curve([[0.0] * len(g) for g in gold], gold, ns,
                                          num_draws=exp.bon_draws, seed=0)}
 
 

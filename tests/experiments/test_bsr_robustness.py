@@ -125,3 +125,28 @@ def test_saved_experiment_is_the_plain_dict_the_presets_were_saved_as():
     assert saved["train"] == {**tiny["train"], "train.steps": 7}
     assert seeds_of(presets()["default"], "bsr_1e-2") == (0,)
     assert seeds_of(presets()["default"], "bsr") == (0, 1)
+
+
+def test_additive_world_preset_trains_from_scratch_above_the_gate(tmp_path):
+    """The token-additive gold world (issue 17's testbed): no SFT testbed is built, the reward
+    models start from scratch, both arms clear the 0.75 in-domain gate, best-of-N runs to the
+    preset's own largest N, and a rerun recomputes nothing."""
+    wd = str(tmp_path / "exp")
+    out = main([f"--workdir={wd}", "--preset=additive_tiny"])
+    assert not os.path.exists(os.path.join(wd, "testbed"))
+    exp = presets()["additive_tiny"]
+    for arm in ("bt", "bsr"):
+        assert out["metrics"][(arm, 0)]["accuracy"] > 0.75, out["metrics"][(arm, 0)]  # gate
+        assert f"bon_gold_N{exp.ns[-1]}" in out["metrics"][(arm, 0)]
+    assert out["refs"]["oracle"]["n"] == list(exp.ns)
+    with open(os.path.join(wd, "config.json")) as f:
+        cfg = json.load(f)
+    assert cfg["experiment"]["world"]["n_bon"] == 4 and "testbed" not in cfg["experiment"]
+    assert set(cfg["gold_stats"]) == {"train", "bon", *SPLITS}
+    assert all(c["train"]["init_from"] == "" for c in cfg["runs"].values())
+    result = os.path.join(wd, "runs", os.listdir(os.path.join(wd, "runs"))[0], "result.json")
+    mtime = os.path.getmtime(result)
+    assert main([f"--workdir={wd}", "--preset=additive_tiny"])["metrics"] == out["metrics"]
+    assert os.path.getmtime(result) == mtime
+    with open(os.path.join(wd, "results.md")) as f:
+        assert "token-additive gold world" in f.read()
