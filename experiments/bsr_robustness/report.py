@@ -15,7 +15,8 @@ MAIN_METRICS = (("accuracy", "val_in pair acc"), ("tau_val_in", "τ val_in"),
                 ("tau_val_prompt_ood", "τ prompt-OOD"), ("tau_val_response_ood", "τ response-OOD"),
                 ("tau_val_both_ood", "τ both-OOD"), ("reward_std", "reward std"),
                 ("reward_mean", "reward mean"), ("hidden_norm_std", "‖h‖ std"),
-                ("hidden_norm_mean", "‖h‖ mean"), ("hidden_norm_cv", "‖h‖ std/mean"))
+                ("hidden_norm_mean", "‖h‖ mean"), ("hidden_norm_cv", "‖h‖ std/mean"),
+                ("residual_norm_std", "pre-norm ‖h‖ std"), ("residual_norm_cv", "pre-norm ‖h‖ std/mean"))
 
 
 def _pm(ms) -> str:
@@ -91,8 +92,11 @@ def reading(agg: dict, arms, seeds, refs, n_val_pairs: int, gold: str = "a VADER
                  f". BSR is higher on {n_better}/3 OOD splits" +
                  ("" if one else f", {n_res}/3 by more than the two seed stds combined") + ".")
     disp = []
+    pre = bt["residual_norm_std"][0] == bt["residual_norm_std"][0]  # scored before the final norm
     for metric, name in (("reward_std", "reward std"), ("hidden_norm_std", "‖h‖ std"),
-                         ("hidden_norm_cv", "‖h‖ std/mean")):
+                         ("hidden_norm_cv", "‖h‖ std/mean")) + (
+            (("residual_norm_std", "pre-norm ‖h‖ std"), ("residual_norm_cv", "pre-norm ‖h‖ std/mean"))
+            if pre else ()):
         d, better, res = cmp(metric, lower_better=True)
         disp.append(f"{name} {bt[metric][0]:.3g} → {bs[metric][0]:.3g} "
                     f"({'lower' if better else 'higher'}{'' if one else (', beyond seed std' if res else ', within seed std')})")
@@ -106,11 +110,14 @@ def reading(agg: dict, arms, seeds, refs, n_val_pairs: int, gold: str = "a VADER
         f"random {refs['random']['gold'][-1]:.3f} at N = {top}.")
     acc_close = abs(da) <= 0.03
     tau_dir = n_better >= 2
-    disp_dir = cmp("reward_std", True)[1] and cmp("hidden_norm_std", True)[1]
+    # the paper's dispersion is the hidden state's before a final norm pins it, where measured
+    h_metric = "residual_norm_std" if pre else "hidden_norm_std"
+    disp_dir = cmp("reward_std", True)[1] and cmp(h_metric, True)[1]
     bon_dir = g(bs, top) > g(bt, top) and peak(bs) >= peak(bt)
     verdicts = [("both above chance", all(learned.values())),
                 ("similar in-domain accuracy (|Δ| ≤ 0.03)", acc_close),
-                ("lower dispersion of rewards and ‖h‖ with BSR", disp_dir),
+                ("lower dispersion of rewards and " + ("pre-norm ‖h‖" if pre else "‖h‖") + " with BSR",
+                 disp_dir),
                 ("higher OOD τ with BSR on most splits", tau_dir),
                 (f"best-of-N gold at N = {top} higher with BSR, peaking no earlier", bon_dir)]
     shown = sum(v for _, v in verdicts[2:])

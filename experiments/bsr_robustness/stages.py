@@ -109,7 +109,8 @@ def rm_config(exp, testbed: dict, arm: str, seed: int, paths: dict, seq_len: int
 
 
 def score_parts(task, params, groups: dict, parts, seq_len: int) -> dict:
-    """{part: {"reward": [[per response] per group], "hidden_norm": [[...]]}}."""
+    """{part: {"reward": [[per response] per group], "hidden_norm": [[...]] (after the final
+    norm: what the head reads), "residual_norm": [[...]] (before it)}}."""
     from icml_jax.data.preference import encode_responses
     out = {}
     for part in parts:
@@ -118,10 +119,10 @@ def score_parts(task, params, groups: dict, parts, seq_len: int) -> dict:
         resp = [r for g in gs for r in g["responses"]]
         arrays, _ = encode_responses(prompts, resp, task.tokenizer, seq_len,
                                      add_eos=task.config.data.add_eos)
-        r, h = task.score(params, arrays)
+        r, h, res = task.score(params, arrays, with_residual=True)
         k = [len(g["responses"]) for g in gs]
         cut = lambda x: [[float(v) for v in x[sum(k[:i]): sum(k[:i]) + n]] for i, n in enumerate(k)]
-        out[part] = {"reward": cut(r), "hidden_norm": cut(h)}
+        out[part] = {"reward": cut(r), "hidden_norm": cut(h), "residual_norm": cut(res)}
     return out
 
 
@@ -195,6 +196,13 @@ def run_metrics(res: dict, groups: dict, exp) -> tuple[dict, dict]:
              reward_std_all_val=float(r_all.std()), hidden_norm_mean=float(h_in.mean()),
              hidden_norm_std=float(h_in.std()),
              hidden_norm_cv=float(h_in.std() / max(h_in.mean(), 1e-12)))
+    if "residual_norm" in sc["val_in"]:  # results cached before it was scored have none
+        z_in = np.concatenate([np.asarray(x) for x in sc["val_in"]["residual_norm"]])
+        m.update(residual_norm_mean=float(z_in.mean()), residual_norm_std=float(z_in.std()),
+                 residual_norm_cv=float(z_in.std() / max(z_in.mean(), 1e-12)))
+    else:
+        m.update(residual_norm_mean=float("nan"), residual_norm_std=float("nan"),
+                 residual_norm_cv=float("nan"))
     bon = tb.best_of_n_curve(sc["bon"]["reward"], gold["bon"], ns_of(exp),
                              num_draws=exp.bon_draws, seed=0)
     for n, gv, pv in zip(bon["n"], bon["gold"], bon["proxy"]):

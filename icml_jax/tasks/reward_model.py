@@ -62,7 +62,7 @@ class RewardModelTask(PairTask):
         self.reward_position = config.loss.get("reward_position", "last")
         score_index(jnp.zeros((1, 2), jnp.int32), jnp.ones(1, jnp.int32), 0,
                     self.reward_position)  # fail on an unknown position now
-        self._score = jax.jit(self._score_rows)
+        self._score = jax.jit(self._score_rows, static_argnums=2)
         L = config.loss
         # fail on a bad loss setting now, not at the first traced step
         reward_loss(jnp.zeros(self.num_shards), jnp.zeros(self.num_shards), variant=L.variant,
@@ -111,16 +111,18 @@ class RewardModelTask(PairTask):
         m["score_norm"] = jnp.linalg.norm(params["score"].astype(jnp.float32))
         return as_sums(loss, m, w)
 
-    def score(self, params, arrays: dict, batch_size: int = 64):
+    def score(self, params, arrays: dict, batch_size: int = 64, with_residual: bool = False):
         """Rewards and hidden-state norms of single sequences (``encode_responses`` arrays):
-        (rewards [N], hidden norms [N]) as float32 numpy."""
+        (rewards [N], hidden norms [N]) as float32 numpy; ``with_residual`` adds the residual
+        stream's norm at the scoring token before the final norm [N] (a third array)."""
         keys = ("inputs", "positions", "segment_ids", "lengths", "response_mask")
-        out = batched_apply(lambda b: self._score(params, b), {k: arrays[k] for k in keys},
-                            batch_size)
-        return out[:, 0], out[:, 1]
+        out = batched_apply(lambda b: self._score(params, b, with_residual),
+                            {k: arrays[k] for k in keys}, batch_size)
+        return (out[:, 0], out[:, 1]) + ((out[:, 2],) if with_residual else ())
 
-    def _score_rows(self, params, b):
-        r, h = self.apply(params, b["inputs"], b["positions"], b["segment_ids"], b["lengths"],
-                          b["response_mask"])
-        return jnp.stack([r, jnp.linalg.norm(h, axis=-1)], -1)
+    def _score_rows(self, params, b, with_residual=False):
+        out = self.apply(params, b["inputs"], b["positions"], b["segment_ids"], b["lengths"],
+                         b["response_mask"], with_residual=with_residual)
+        r, h = out[:2]
+        return jnp.stack([r, jnp.linalg.norm(h, axis=-1), *out[2:]], -1)
 

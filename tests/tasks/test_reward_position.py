@@ -96,3 +96,11 @@ def test_the_residual_norm_is_the_one_before_the_final_norm(tmp_path):
     np.testing.assert_allclose(n, want, rtol=1e-5)
     assert float(jnp.max(jnp.abs(f - n))) > 1e-2 * float(jnp.max(n))  # not the normed one
     assert {"residual_norm/mean", "residual_norm/std"} <= set(msums)
+    # the host-side scorer gives the same residual norms, and the same rewards with or without them
+    arrays = {k: np.asarray(flat(batch[k]))
+              for k in ("inputs", "positions", "segment_ids", "lengths", "response_mask")}
+    r2, h2, res2 = task.score(params, arrays, with_residual=True)
+    np.testing.assert_allclose(res2, n, rtol=1e-5)
+    r1, h1 = task.score(params, arrays)
+    np.testing.assert_allclose(r2, r1, rtol=1e-6)
+    np.testing.assert_allclose(h2, h1, rtol=1e-6)
