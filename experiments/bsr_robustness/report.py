@@ -178,15 +178,19 @@ def write_plots(wd, exp, arms, curves, refs, agg, results):
     fig.tight_layout()
     save_figure(fig, os.path.join(wd, "kendall_tau.png"), dpi=120)
 
-    fig, axes = plt.subplots(1, 2, figsize=(8, 3.4))
+    # the residual norm (before the final norm) where the runs scored it
+    pre = all("residual_norm" in results[(a, seeds_of(exp, a)[0])]["scores"]["val_in"] for a in arms)
+    keys = ("reward", "hidden_norm") + (("residual_norm",) if pre else ())
+    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.4))
     for a in arms:
         sc = results[(a, seeds_of(exp, a)[0])]["scores"]["val_in"]
-        r = np.concatenate([np.asarray(v) for v in sc["reward"]])
-        h = np.concatenate([np.asarray(v) for v in sc["hidden_norm"]])
-        axes[0].hist(r, bins=40, histtype="step", color=colors.get(a), label=ARM_LABEL[a])
-        axes[1].hist(h, bins=40, histtype="step", color=colors.get(a), label=ARM_LABEL[a])
+        for ax, k in zip(axes, keys):
+            ax.hist(np.concatenate([np.asarray(v) for v in sc[k]]), bins=40, histtype="step",
+                    color=colors.get(a), label=ARM_LABEL[a])
     axes[0].set_xlabel("reward (val_in responses)")
-    axes[1].set_xlabel("‖h‖ at the scoring token (val_in responses)")
+    axes[1].set_xlabel("‖h‖ at the scoring token, after the final norm")
+    if pre:
+        axes[2].set_xlabel("‖h‖ at the scoring token, before the final norm")
     axes[0].legend(fontsize=6)
     axes[0].set_title("first seed of each run", fontsize=8)
     fig.tight_layout()
@@ -243,7 +247,8 @@ def write_results_md(wd: str, *, preset_name: str, cmd: str, exp, arms, seeds, t
                           for i, n in enumerate(ns_of(exp))]),
           "\n## Reading\n", "\n".join(reading(agg, arms, seeds, refs, n_val, "a token-additive gold" if additive else "a VADER gold")) + "\n",
           "\nPlots: `best_of_n.png` (gold vs the KL bound), `kendall_tau.png` (τ per split), "
-          "`dispersion.png` (val_in reward and ‖h‖ histograms, first seed).\n"]
+          "`dispersion.png` (val_in reward and ‖h‖ histograms after and, where scored, before the final "
+          "norm; first seed).\n"]
     text = "\n".join(md)
     write_atomic(os.path.join(wd, "results.md"), text)
     return text
