@@ -20,9 +20,54 @@ PRESETS = {
         train=dict(train=dict(steps=60, batch_size=16, lr=3e-4, warmup_steps=6, log_every=5,
                               eval_every=30, checkpoint_every=30)),
     ),
+    # the token-additive gold world (icml_jax/data/additive_gold.py, built by
+    # experiments/additive_testbed.py): gold(y) = sum_t w[y_t] is known per token. "world" replaces "testbed"; the guidance pi_r is a
+    # DPO policy (beta = `beta`) trained on pairs of the `guidance_train` prompts, disjoint from
+    # the policies' `tgdpo_train` prompts; arms: alpha in `alphas` (0 = DPO) x beta in `betas`
+    "additive_tiny": preset(
+        world=dict(world_seed=0, num_letters=8, prompt_len=6, response_len=10, corpus_docs=400,
+                   corpus_seed=1, prompt_seed=2, temperature=1.0, max_new_tokens=10, batch_size=64,
+                   prompts=dict(tgdpo_train=16, guidance_train=16, tgdpo_eval=8),
+                   responses=dict(tgdpo_train=4, guidance_train=4, tgdpo_eval=4),
+                   sft=dict(model=dict(d_model=32, num_layers=1, num_heads=2, num_kv_heads=2,
+                                       head_dim=16, ffn_dim=64, max_seq_len=64),
+                            data=dict(seq_len=64),
+                            train=dict(steps=30, batch_size=8, lr=1e-2, warmup_steps=3,
+                                       log_every=10, eval_every=30, eval_batches=1,
+                                       checkpoint_every=30, async_checkpoint=False))),
+        seeds=(0,), alphas=(0.0, 1.0), betas=(0.1,), guidance_seed=1000, beta=0.1,
+        eval_samples=4, eval_temperature=1.0, eval_seed=4242, eval_batch_size=64,
+        train=dict(train=dict(steps=8, batch_size=4, lr=1e-3, warmup_steps=1, log_every=2,
+                              eval_every=8, checkpoint_every=8, async_checkpoint=False)),
+    ),
+    "additive": preset(
+        world=dict(world_seed=0, num_letters=8, prompt_len=6, response_len=10, corpus_docs=4000,
+                   corpus_seed=1, prompt_seed=2, temperature=1.0, max_new_tokens=10,
+                   batch_size=256,
+                   prompts=dict(tgdpo_train=300, guidance_train=300, tgdpo_eval=100),
+                   responses=dict(tgdpo_train=4, guidance_train=4, tgdpo_eval=4),
+                   sft=dict(model=dict(d_model=64, num_layers=2, num_heads=4, num_kv_heads=4,
+                                       head_dim=16, ffn_dim=192, max_seq_len=64),
+                            data=dict(seq_len=64),
+                            train=dict(steps=400, batch_size=16, lr=3e-3, warmup_steps=20,
+                                       log_every=50, eval_every=400, eval_batches=4,
+                                       checkpoint_every=400, async_checkpoint=False))),
+        seeds=(0, 1, 2), alphas=(0.0, 0.5, 1.0), betas=(0.05, 0.1, 0.3), guidance_seed=1000,
+        beta=0.1, eval_samples=4, eval_temperature=1.0, eval_seed=4242, eval_batch_size=256,
+        train=dict(train=dict(steps=60, batch_size=16, lr=1e-3, warmup_steps=6, log_every=10,
+                              eval_every=60, checkpoint_every=60, async_checkpoint=False)),
+    ),
 }
+
+
+def is_additive(exp) -> bool:
+    """Whether ``exp`` runs on the token-additive gold world (a ``world`` section)."""
+    return "world" in exp
+
 
 def saved_experiment(exp) -> dict:
     """``exp`` (after the command-line overrides) as config.json's "experiment" section: the
     testbed preset in full and the run-config overrides as flat ``train.*`` keys."""
+    if is_additive(exp):
+        return record(exp, flat=("train",))
     return {**record(exp, flat=("train",)), "testbed": preference_testbed.preset_dict(exp.testbed)}

@@ -167,10 +167,15 @@ def plot_win_vs_kl(results, path):
                     fmt="s" if name in ("sft", "guidance") else "o", color=col[r["arm"]],
                     label=None if r["arm"] in seen else r["arm"], capsize=2)
         seen.add(r["arm"])
+    finish_win_vs_kl(fig, ax, "TGDPO vs DPO (held-out prompts; bars: ±1 s.e.)", path)
+
+
+def finish_win_vs_kl(fig, ax, title: str, path: str) -> None:
+    """The win-rate-vs-KL plot's axes, even line, legend and atomic save (both reports)."""
     ax.axhline(0.5, color="gray", lw=0.8, ls=":")
     ax.set_xlabel("KL to reference (MC, nats per sequence)")
     ax.set_ylabel("gold win rate vs SFT samples")
-    ax.set_title("TGDPO vs DPO (held-out prompts; bars: ±1 s.e.)")
+    ax.set_title(title)
     ax.legend(fontsize=8)
     fig.tight_layout()
     save_figure(fig, path, dpi=120)

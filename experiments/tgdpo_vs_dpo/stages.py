@@ -18,13 +18,17 @@ N_BUCKETS = 5
 
 # ----------------------------------------------------------------------------- data
 
-def make_pairs(tb, workdir):
-    """Writes the train/validation pair files; returns their paths and counts."""
+def make_pairs(tb, workdir, guidance_part=None):
+    """Writes the train/validation pair files; returns their paths and counts. With
+    ``guidance_part`` (a part of ``tb["groups"]``, e.g. ``guidance_train``), also the guidance
+    policy's own training pairs, from those groups by the same rule (``paths["guidance"]``)."""
     from icml_jax.data.preference import write_preference_jsonl
     from icml_jax.data.sentiment_testbed import pairs_from_groups
     train_groups, eval_groups = tb["groups"]["tgdpo_train"], tb["groups"]["tgdpo_eval"]
-    train = pairs_from_groups(train_groups, rule="best_worst")
-    val = pairs_from_groups(eval_groups, rule="best_worst")
+    # the additive world's SFT samples can be empty (eos first), which a pair cannot hold
+    keep = _nonempty if guidance_part else (lambda gs: gs)
+    train = pairs_from_groups(keep(train_groups), rule="best_worst")
+    val = pairs_from_groups(keep(eval_groups), rule="best_worst")
     if not train:
         raise RuntimeError("every tgdpo_train group is tied under the gold reward: no pairs")
     paths = {"train": os.path.join(workdir, "pairs_train.jsonl"),
@@ -34,6 +38,13 @@ def make_pairs(tb, workdir):
         write_preference_jsonl(paths["eval"], val)
     else:
         paths["eval"] = ""
+    guide = []
+    if guidance_part:
+        guide = pairs_from_groups(keep(tb["groups"][guidance_part]), rule="best_worst")
+        if not guide:
+            raise RuntimeError(f"every {guidance_part} group is tied under the gold: no pairs")
+        paths["guidance"] = os.path.join(workdir, "pairs_guidance.jsonl")
+        write_preference_jsonl(paths["guidance"], guide)
     gap = [r["score_chosen"] - r["score_rejected"] for r in train]
     # data.seq_len: bos + the longest prompt + the longer response + eos, rounded up to 8
     import ml_collections
@@ -41,18 +52,39 @@ def make_pairs(tb, workdir):
     from icml_jax.data.tokenizers import build_tokenizer
     tok = build_tokenizer(ml_collections.ConfigDict(tb["sft_config"]["data"]["tokenizer"]))
     n = lambda x: len(tok.encode(x))  # noqa: E731
-    longest = max(2 + n(r["prompt"]) + max(n(r["chosen"]), n(r["rejected"])) for r in train + val)
-    return {"seq_len": round_up(longest, 8), "paths": paths,
-            "n_train_groups": len(train_groups), "n_train": len(train),
-            "n_tied_train": len(train_groups) - len(train), "n_eval_groups": len(eval_groups),
-            "n_eval": len(val), "mean_gap": float(sum(gap) / len(gap)),
-            "digest": digest([train, val])}
+    longest = max(2 + n(r["prompt"]) + max(n(r["chosen"]), n(r["rejected"]))
+                  for r in train + val + guide)
+    out = {"seq_len": round_up(longest, 8), "paths": paths,
+           "n_train_groups": len(train_groups), "n_train": len(train),
+           "n_tied_train": len(train_groups) - len(train), "n_eval_groups": len(eval_groups),
+           "n_eval": len(val), "mean_gap": float(sum(gap) / len(gap)),
+           "digest": digest([train, val])}
+    if guidance_part:
+        train_prompts = {r["prompt"] for r in train}
+        out.update({"guidance_part": guidance_part,
+                    "n_guidance_groups": len(tb["groups"][guidance_part]),
+                    "n_guidance": len(guide), "guidance_digest": digest(guide),
+                    "guidance_prompts_in_train": sum(r["prompt"] in train_prompts for r in guide)})
+    return out
+
+
+def _nonempty(groups):
+    """The groups without their empty responses (and those responses' gold)."""
+    out = []
+    for g in groups:
+        idx = [i for i, r in enumerate(g["responses"]) if r]
+        out.append({**g, "responses": [g["responses"][i] for i in idx],
+                    "gold": [g["gold"][i] for i in idx]})
+    return out
 
 
 # ----------------------------------------------------------------------------- configs
 
-def run_config(exp, tb, pairs, seed, loss_type, alpha=0.0, guidance=""):
-    """``configs/dpo.py`` with the SFT policy's model and tokenizer and the preset's training."""
+def run_config(exp, tb, pairs, seed, loss_type, alpha=0.0, guidance="", beta=None,
+               data_path=None):
+    """``configs/dpo.py`` with the SFT policy's model and tokenizer and the preset's training;
+    ``beta`` (default ``exp.beta``) and ``data_path`` (default the train pairs) for the
+    additive presets' beta grid and the guidance policy's own pairs."""
     from icml_jax.config_utils import load_config
     cfg = load_config("configs/dpo.py:default", unlocked=True)
     sft = tb["sft_config"]
@@ -64,9 +96,10 @@ def run_config(exp, tb, pairs, seed, loss_type, alpha=0.0, guidance=""):
             "train.eval_batches": -(-n_eval // t["train.batch_size"]),  # ceil division
             "data.seq_len": min(int(pairs["seq_len"]), int(sft["model"]["max_seq_len"])),
             "train.init_from": tb["sft_workdir"],
-            "data.path": pairs["paths"]["train"],
+            "data.path": data_path or pairs["paths"]["train"],
             "data.eval_path": pairs["paths"]["eval"], "loss.type": loss_type,
-            "loss.beta": float(exp.beta), "loss.tgdpo_alpha": float(alpha),
+            "loss.beta": float(exp.beta if beta is None else beta),
+            "loss.tgdpo_alpha": float(alpha),
             "loss.guidance": guidance}
     cfg.update_from_flattened_dict(over)
     cfg.seed = int(seed)
@@ -74,13 +107,33 @@ def run_config(exp, tb, pairs, seed, loss_type, alpha=0.0, guidance=""):
 
 
 def plan(exp):
-    """[(run name, arm, alpha, seed)]: the guidance run first, then DPO and TGDPO per seed."""
-    runs = [("guidance", "guidance", 0.0, int(exp.guidance_seed))]
+    """[(run name, arm, alpha, seed, beta)]: the guidance run first, then DPO and TGDPO per seed
+    (the additive presets: per seed and beta of ``betas``, alpha = 0 being the DPO run)."""
+    b0 = float(exp.beta)
+    runs = [("guidance", "guidance", 0.0, int(exp.guidance_seed), b0)]
+    if "betas" in exp:
+        for s in exp.seeds:
+            for b in exp.betas:
+                for a in exp.alphas:
+                    if float(a) == 0.0:
+                        runs.append((f"dpo_b{b:g}_s{s}", "DPO", 0.0, int(s), float(b)))
+                    else:
+                        runs.append((f"tgdpo_a{a:g}_b{b:g}_s{s}", f"TGDPO α={a:g}", float(a),
+                                     int(s), float(b)))
+        return runs
     for s in exp.seeds:
-        runs.append((f"dpo_s{s}", "DPO", 0.0, int(s)))
+        runs.append((f"dpo_s{s}", "DPO", 0.0, int(s), b0))
         for a in exp.alphas:
-            runs.append((f"tgdpo_a{a:g}_s{s}", f"TGDPO α={a:g}", float(a), int(s)))
+            runs.append((f"tgdpo_a{a:g}_s{s}", f"TGDPO α={a:g}", float(a), int(s), b0))
     return runs
+
+
+def _config_of(exp, tb, pairs, workdir, name, arm, alpha, seed, beta):
+    """The run config of one entry of ``plan``."""
+    loss_type = loss_of(arm)
+    guidance = os.path.join(workdir, "guidance") if loss_type == "tgdpo" else ""
+    data_path = pairs["paths"].get("guidance") if name == "guidance" else None
+    return run_config(exp, tb, pairs, seed, loss_type, alpha, guidance, beta, data_path)
 
 
 def loss_of(arm):
@@ -90,12 +143,14 @@ def loss_of(arm):
 
 def planned_configs(exp, tb, pairs, workdir):
     """{run: {arm, alpha, seed, config (JSON dict)}} of every planned run (config.json)."""
-    guidance = os.path.join(workdir, "guidance")
-    return {name: {"arm": arm, "alpha": alpha, "seed": seed,
-                   "config": json.loads(run_config(
-                       exp, tb, pairs, seed, loss_of(arm), alpha,
-                       guidance if loss_of(arm) == "tgdpo" else "").to_json_best_effort())}
-            for name, arm, alpha, seed in plan(exp)}
+    out = {}
+    for name, arm, alpha, seed, beta in plan(exp):
+        cfg = _config_of(exp, tb, pairs, workdir, name, arm, alpha, seed, beta)
+        out[name] = {"arm": arm, "alpha": alpha, "seed": seed,
+                     "config": json.loads(cfg.to_json_best_effort())}
+        if "betas" in exp:
+            out[name]["beta"] = beta
+    return out
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -143,10 +198,17 @@ def evaluate_policy(models, params, tb, exp):
     ref_groups = tb["groups"]["tgdpo_eval"]
     mnt = int(tb["preset"]["max_new_tokens"])
     prompt_tokens = 1 + max(len(models.tok.encode(p)) for p in prompts)
-    groups = preference_testbed.sample_groups(
-        models.model, params, models.tok, prompts, int(exp.eval_samples),
-        float(exp.eval_temperature), mnt, int(exp.eval_seed), int(exp.eval_batch_size),
-        prompt_tokens=prompt_tokens)
+    if tb.get("world") is not None:  # the additive world's gold (experiments/additive_testbed.py)
+        from experiments.additive_testbed import sample_groups
+        groups = sample_groups(
+            models.model, params, models.tok, prompts, int(exp.eval_samples),
+            float(exp.eval_temperature), mnt, int(exp.eval_seed), int(exp.eval_batch_size),
+            tb["world"], prompt_tokens=prompt_tokens)
+    else:
+        groups = preference_testbed.sample_groups(
+            models.model, params, models.tok, prompts, int(exp.eval_samples),
+            float(exp.eval_temperature), mnt, int(exp.eval_seed), int(exp.eval_batch_size),
+            prompt_tokens=prompt_tokens)
     kl = seq_kl(models, params, groups, mnt, int(exp.eval_batch_size))
     gold = [g["gold"] for g in groups]
     wins = per_prompt_win(gold, [g["gold"] for g in ref_groups])
@@ -186,19 +248,21 @@ def run_all(exp, tb, pairs, workdir, log=print):
                                      "eval_batch_size")}
     base_key = {"sft": digest(tb["sft_config"]), "eval_ref": digest(tb["groups"]["tgdpo_eval"]),
                 "pairs": pairs["digest"], "eval": eval_key, "version": 1}
+    if tb.get("world") is not None:
+        base_key["world"] = tb["world_key"]
     results = {}
     sft_res = cached(os.path.join(workdir, "sft_eval.json"), base_key,
                      lambda: evaluate_policy(get_models(), get_models().ref_params, tb, exp))
     results["sft"] = {"arm": "SFT", "alpha": float("nan"), "seed": "", **sft_res}
-    guidance_dir = os.path.join(workdir, "guidance")
     guidance_key = None
-    for name, arm, alpha, seed in plan(exp):
+    for name, arm, alpha, seed, beta in plan(exp):
         run_dir = os.path.join(workdir, name)
         loss_type = loss_of(arm)
-        cfg = run_config(exp, tb, pairs, seed, loss_type, alpha,
-                         guidance_dir if loss_type == "tgdpo" else "")
+        cfg = _config_of(exp, tb, pairs, workdir, name, arm, alpha, seed, beta)
         key = {**base_key, "config": json.loads(cfg.to_json_best_effort()),
                "guidance": guidance_key if loss_type == "tgdpo" else None}
+        if name == "guidance" and "guidance" in pairs["paths"]:
+            key["guidance_pairs"] = pairs["guidance_digest"]
 
         def compute(cfg=cfg, run_dir=run_dir, name=name):
             log(f"[tgdpo_vs_dpo] training {name}")
@@ -212,6 +276,7 @@ def run_all(exp, tb, pairs, workdir, log=print):
         if name == "guidance":
             guidance_key = digest(res["key"])
         results[name] = {"arm": arm, "alpha": alpha, "seed": seed,
+                         **({"beta": beta} if "betas" in exp else {}),
                          **{k: v for k, v in res.items() if k != "key"}}
         log(f"[tgdpo_vs_dpo] {name}: win vs SFT {res['win_vs_sft']:.3f}, gold "
             f"{res['mean_gold']:+.3f}, KL {res['kl']:.2f}, train acc "
@@ -268,3 +333,75 @@ def token_analysis(exp, tb, pairs, workdir, results):
 def _dist(x):
     return {"mean": float(np.mean(x)), "std": float(np.std(x)), "p05": float(np.quantile(x, 0.05)),
             "p95": float(np.quantile(x, 0.95)), "min": float(np.min(x)), "max": float(np.max(x))}
+
+
+# ----------------------------------------------------------------------------- additive world
+
+def cached_reward_recovery(exp, tb, pairs, workdir, results):
+    """``reward_recovery``, cached in DIR/reward_recovery.json under the guidance run's digest
+    and the evaluated samples."""
+    key = {"guidance": digest(results["guidance"].get("curve", [])),
+           "guidance_eval": digest(results["guidance"]["groups"]),
+           "eval_ref": digest(tb["groups"]["tgdpo_eval"]), "world": tb["world_key"],
+           "beta": float(exp.beta), "version": 1}
+    return cached(os.path.join(workdir, "reward_recovery.json"), key,
+                  lambda: reward_recovery(exp, tb, workdir))
+
+
+def _corr(x, y):
+    from scipy import stats
+    if len(x) < 3 or np.std(x) == 0 or np.std(y) == 0:
+        return {"pearson": float("nan"), "spearman": float("nan"), "n": int(len(x))}
+    return {"pearson": float(stats.pearsonr(x, y)[0]),
+            "spearman": float(stats.spearmanr(x, y)[0]), "n": int(len(x))}
+
+
+def reward_recovery(exp, tb, workdir):
+    """The guidance policy's token rewards r̂_t = beta (log pi_r - log pi_ref)(y_t) (beta =
+    ``exp.beta``, the guidance run's) against the world's true token rewards w[y_t], over the
+    response tokens (eos excluded) of the SFT reference samples of the held-out ``tgdpo_eval``
+    prompts: Pearson / Spearman over tokens; the same per letter (mean r̂ of each letter vs its
+    w); and per sequence (sum of r̂ vs gold)."""
+    from icml_jax.data.preference import encode_responses
+    from icml_jax.tasks.pairs import batched_apply
+    world = tb["world"]
+    m = FrozenPolicy(tb["sft_workdir"])
+    groups = tb["groups"]["tgdpo_eval"]
+    prompts = [g["prompt"] for g in groups for r in g["responses"] if r]
+    resp = [r for g in groups for r in g["responses"] if r]
+    seq_len = round_up(1 + max(len(m.tok.encode(p)) + len(m.tok.encode(r))
+                               for p, r in zip(prompts, resp)), 8)
+    arrays, _ = encode_responses(prompts, resp, m.tok, seq_len, add_eos=False)
+    rows = {k: arrays[k] for k in ("inputs", "positions", "segment_ids", "response_mask")}
+    bs = int(exp.eval_batch_size)
+    lp = lambda params: batched_apply(lambda b: m.token_logps(params, b), rows, bs)  # noqa: E731
+    r_hat_all = float(exp.beta) * (lp(m.params_of(os.path.join(workdir, "guidance")))
+                                   - lp(m.ref_params))
+    index = {c: i for i, c in enumerate(world.alphabet)}
+    r_hat, true, letter, seq_r, seq_gold = [], [], [], [], []
+    for i, r in enumerate(resp):
+        pos = np.flatnonzero(arrays["response_mask"][i] > 0)
+        chars = [chr(b) for b in r.encode("utf-8")]
+        if len(pos) != len(chars):
+            raise RuntimeError(f"response {i}: {len(pos)} masked tokens for {len(chars)} bytes")
+        rh = r_hat_all[i, pos]
+        w = np.asarray([world.weights[index[c]] if c in index else 0.0 for c in chars])
+        r_hat.append(rh)
+        true.append(w)
+        letter += [index.get(c, -1) for c in chars]
+        seq_r.append(float(rh.sum()))
+        seq_gold.append(float(w.sum()))
+    r_hat, true, letter = np.concatenate(r_hat), np.concatenate(true), np.asarray(letter)
+    per_letter = []
+    for j, c in enumerate(world.alphabet):
+        sel = letter == j
+        per_letter.append({"letter": c, "w": float(world.weights[j]), "count": int(sel.sum()),
+                           "mean_r_hat": float(r_hat[sel].mean()) if sel.any() else float("nan")})
+    seen = [p for p in per_letter if p["count"]]
+    return {"n_responses": len(resp), "n_tokens": int(r_hat.size),
+            "frac_unknown_tokens": float(np.mean(letter < 0)),
+            "token": _corr(r_hat, true),
+            "letter": _corr(np.asarray([p["mean_r_hat"] for p in seen]),
+                            np.asarray([p["w"] for p in seen])),
+            "sequence": _corr(np.asarray(seq_r), np.asarray(seq_gold)),
+            "per_letter": per_letter, "r_hat": _dist(r_hat), "beta": float(exp.beta)}

@@ -42,21 +42,30 @@ class AdditiveWorld:
     trans: np.ndarray  # [A, A] next-letter probabilities (rows sum to 1)
     weights: np.ndarray  # [A] gold reward of each letter
 
-    def _ids(self, text: str) -> np.ndarray:
+    def _ids(self, text: str, unknown: str = "error") -> np.ndarray:
+        """Letter indices of ``text``; with ``unknown="zero"`` a character outside the alphabet
+        gets index -1 instead of raising."""
+        if unknown not in ("error", "zero"):
+            raise ValueError(f"unknown={unknown!r}; choose 'error' or 'zero'")
         index = {c: i for i, c in enumerate(self.alphabet)}
         bad = sorted(set(text) - set(index))
-        if bad:
+        if bad and unknown == "error":
             raise ValueError(f"{text[:40]!r} has letters outside the alphabet {self.alphabet!r}: "
                              f"{bad}; the gold reward is defined on the world's letters only")
-        return np.asarray([index[c] for c in text], np.int64)
+        return np.asarray([index.get(c, -1) for c in text], np.int64)
 
-    def token_rewards(self, response: str) -> np.ndarray:
-        """The true per-token contribution w[y_t] of every letter of ``response``, float64 [len]."""
-        return self.weights[self._ids(response)]
+    def token_rewards(self, response: str, unknown: str = "error") -> np.ndarray:
+        """The true per-token contribution w[y_t] of every letter of ``response``, float64 [len].
+        ``unknown``: ``"error"`` (default) rejects a character outside the alphabet, ``"zero"``
+        gives it reward 0 (text sampled from a model, which may emit other bytes)."""
+        ids = self._ids(response, unknown)
+        return np.where(ids >= 0, self.weights[np.maximum(ids, 0)], 0.0).astype(np.float64)
 
-    def gold_reward(self, responses) -> np.ndarray:
-        """gold(y) = sum_t w[y_t] of each response, float64 [n]."""
-        return np.asarray([float(self.token_rewards(r).sum()) for r in responses], np.float64)
+    def gold_reward(self, responses, unknown: str = "error") -> np.ndarray:
+        """gold(y) = sum_t w[y_t] of each response, float64 [n]; ``unknown`` as in
+        ``token_rewards``."""
+        return np.asarray([float(self.token_rewards(r, unknown).sum()) for r in responses],
+                          np.float64)
 
     def chain(self, tilt: float = 0.0, temperature: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
         """(init, trans) with probabilities p * exp(tilt * w) then p ** (1 / temperature),

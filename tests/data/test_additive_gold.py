@@ -27,6 +27,18 @@ def test_gold_is_the_sum_of_the_token_rewards(world):
         world.gold_reward(["abz"])
 
 
+def test_unknown_characters_can_score_zero(world):
+    # text sampled from a model may hold bytes outside the alphabet: with unknown="zero" they
+    # contribute 0 and the letters keep their weights
+    np.testing.assert_allclose(world.token_rewards("a?z\ufffdb", unknown="zero"),
+                               [world.weights[0], 0.0, 0.0, 0.0, world.weights[1]])
+    assert world.gold_reward(["abz", ""], unknown="zero").tolist() == pytest.approx(
+        [world.weights[0] + world.weights[1], 0.0])
+    assert world.token_rewards("", unknown="zero").shape == (0,)
+    with pytest.raises(ValueError, match="unknown="):
+        world.gold_reward(["a"], unknown="skip")
+
+
 def test_deterministic_and_seed_dependent(world):
     again = ag.make_world(0, num_letters=8)
     np.testing.assert_array_equal(again.trans, world.trans)

@@ -118,3 +118,77 @@ def test_tgdpo_vs_dpo_tiny_outputs_and_rerun(tmp_path, monkeypatch, preference_t
     assert {n: os.path.getmtime(os.path.join(wd, n, "metrics.jsonl")) for n in stamps} == metrics
     assert results["dpo_s0"]["kl"] == pytest.approx(float(by["dpo_s0"]["kl"]), abs=1e-4)
     assert np.isfinite(results["tgdpo_a0.5_s0"]["win_vs_sft"])
+
+
+def test_tgdpo_vs_dpo_additive_tiny_end_to_end(tmp_path, monkeypatch):
+    # the token-additive gold world (experiments/additive_testbed.py): its own SFT policy, a
+    # guidance policy trained on prompts disjoint from the policies', alpha x beta arms, frontiers
+    # and r̂ against the true token rewards
+    monkeypatch.setenv("TFDS_DATA_DIR", str(tmp_path / "tfds"))
+    wd = str(tmp_path / "exp")
+    exp = PRESETS["additive_tiny"]
+    main([f"--workdir={wd}", "--preset=additive_tiny"])
+
+    tb = json.load(open(os.path.join(wd, "testbed", "testbed.json")))
+    assert tb["gold_name"].startswith("additive_gold")
+    groups = {p: json.load(open(tb["paths"][p]))["groups"]
+              for p in ("tgdpo_train", "guidance_train", "tgdpo_eval")}
+    prompts = {p: {g["prompt"] for g in gs} for p, gs in groups.items()}
+    for p, n in exp.world.prompts.items():
+        assert len(prompts[p]) == n, p
+    # the three prompt sets are disjoint
+    assert not prompts["tgdpo_train"] & prompts["guidance_train"]
+    assert not prompts["tgdpo_eval"] & (prompts["tgdpo_train"] | prompts["guidance_train"])
+    # gold = the sum of the world's letter weights (other bytes 0)
+    from experiments.additive_testbed import world_of
+    world = world_of(exp.world.to_dict())
+    g = groups["tgdpo_eval"][0]
+    np.testing.assert_allclose(g["gold"], world.gold_reward(g["responses"], unknown="zero"))
+
+    def read_pairs(name):
+        with open(os.path.join(wd, name)) as f:
+            return [json.loads(line) for line in f]
+    guide, train = read_pairs("pairs_guidance.jsonl"), read_pairs("pairs_train.jsonl")
+    assert guide and train
+    assert {r["prompt"] for r in guide} <= prompts["guidance_train"]
+    assert {r["prompt"] for r in train} <= prompts["tgdpo_train"]
+    cfg = json.load(open(os.path.join(wd, "config.json")))
+    runs = cfg["runs"]
+    assert runs["guidance"]["config"]["data"]["path"] == os.path.join(wd, "pairs_guidance.jsonl")
+    assert runs["dpo_b0.1_s0"]["config"]["data"]["path"] == os.path.join(wd, "pairs_train.jsonl")
+    tg = runs["tgdpo_a1_b0.1_s0"]["config"]
+    assert tg["loss"]["type"] == "tgdpo" and tg["loss"]["tgdpo_alpha"] == 1.0
+    assert tg["loss"]["beta"] == 0.1 and tg["loss"]["guidance"] == os.path.join(wd, "guidance")
+    assert runs["dpo_b0.1_s0"]["config"]["loss"]["type"] == "sigmoid"
+    assert cfg["pairs"]["guidance_prompts_in_train"] == 0
+
+    rows = {r["run"]: r for r in csv.DictReader(open(os.path.join(wd, "results.csv")))}
+    assert set(rows) == {"sft", "guidance", "dpo_b0.1_s0", "tgdpo_a1_b0.1_s0"}
+    for name, r in rows.items():
+        assert 0.0 <= float(r["win_vs_sft"]) <= 1.0 and math.isfinite(float(r["kl"])), name
+    assert float(rows["sft"]["kl"]) == pytest.approx(0.0, abs=1e-4)
+    assert 0.0 <= float(rows["tgdpo_a1_b0.1_s0"]["h2h_vs_dpo"]) <= 1.0
+    assert rows["tgdpo_a1_b0.1_s0"]["beta"] == "0.1"
+    rr = json.load(open(os.path.join(wd, "reward_recovery.json")))
+    assert rr["token"]["n"] > 0
+    assert math.isfinite(rr["token"]["pearson"]) and math.isfinite(rr["token"]["spearman"])
+    assert -1.0 <= rr["token"]["pearson"] <= 1.0
+    md = open(os.path.join(wd, "results.md")).read()
+    for s in ("## Reading", "Pilot gate", "## TGDPO vs DPO at matched KL", "Spearman",
+              "DISJOINT", "| TGDPO α=1 | 0.1 |"):
+        assert s in md, s
+    for name in ("win_rate_vs_kl.png", "training_curves.png"):
+        with open(os.path.join(wd, name), "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n", name
+
+    # a rerun recomputes nothing: no SFT, sampling, training or analysis is redone
+    watched = [os.path.join(wd, "testbed", "sft_result.json"), os.path.join(wd, "sft_eval.json"),
+               os.path.join(wd, "reward_recovery.json"), os.path.join(wd, "token_analysis.json")]
+    watched += [tb["paths"][p] for p in groups]
+    watched += [os.path.join(wd, n, f) for n in ("guidance", "dpo_b0.1_s0", "tgdpo_a1_b0.1_s0")
+                for f in ("result.json", "metrics.jsonl")]
+    stamps = {p: os.path.getmtime(p) for p in watched}
+    results = main([f"--workdir={wd}", "--preset=additive_tiny"])
+    assert {p: os.path.getmtime(p) for p in watched} == stamps
+    assert results["dpo_b0.1_s0"]["kl"] == pytest.approx(float(rows["dpo_b0.1_s0"]["kl"]),
+                                                         abs=1e-4)
