@@ -1,6 +1,6 @@
 """Implicit PRM on the arithmetic testbed: best-of-N and first-error detection (docs/methods/implicit_prm.md).
 
-  python -m experiments.implicit_prm --workdir=DIR [--preset=tiny|default]
+  python -m experiments.implicit_prm --workdir=DIR [--preset=tiny|default|easy]
 
 Steps (every stage is cached under DIR with a key of everything it depends on, so a rerun with the
 same settings recomputes nothing and a killed run resumes):

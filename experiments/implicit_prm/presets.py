@@ -1,4 +1,4 @@
-"""The implicit PRM experiment's presets (``--preset=tiny|default``) as ConfigDicts, and
+"""The implicit PRM experiment's presets (``--preset=tiny|default|easy``) as ConfigDicts, and
 ``record``: a preset in the layout config.json has always stored (flat ``train.steps`` keys)."""
 from experiments.common import preset
 from experiments.common import record as common_record
@@ -41,7 +41,20 @@ _DEFAULT = dict(
     dpo_steps=60,
 )
 
-PRESETS = {"tiny": preset(**_TINY), "default": preset(**_DEFAULT)}
+# easier problems (1-digit operands, two additions) so that the generator is sometimes right
+# (measured 2026-12-02 on the 48 test problems, T = 1: 1000 generator steps -> 68% correct, above
+# the 30-60% window where best-of-N has something to pick; 500 steps -> 34%, inside it); 600 of
+# the ~730 expressions a draw reaches train the generator (the PRM problems are their first 128)
+_EASY = {k: v for k, v in _DEFAULT.items() if k != "generator_continue"}
+_EASY.update(
+    knobs=dict(num_steps=2, digits=1, operators="+"), gen_problems=600, max_new_tokens=48,
+    generator=dict(model=dict(_MODEL_DEFAULT, max_seq_len=128), data=dict(seq_len=64),
+                   train=dict(steps=500, batch_size=16, lr=3e-3, warmup_steps=10, log_every=100,
+                              eval_every=500, eval_batches=4, checkpoint_every=500)))
+
+PRESETS = {"tiny": preset(**_TINY), "default": preset(**_DEFAULT), "easy": preset(**_EASY)}
+# the generator's per-sample accuracy a comparison of selectors needs (gate in results.md)
+ACCURACY_GATE = (0.30, 0.60)
 
 def record(exp) -> dict:
     """``exp`` as config.json's ``experiment`` entry: JSON types, the run-config sections

@@ -6,6 +6,7 @@ import os
 import numpy as np
 
 from experiments.common import git_commit, markdown_table, save_figure, write_atomic, write_csv
+from experiments.implicit_prm.presets import ACCURACY_GATE
 
 # ----------------------------------------------------------------------------- aggregation
 # (host-side, from the cached scores: recomputed on every run, in seconds)
@@ -113,7 +114,15 @@ def _fmt(x):
 def reading(exp, table, fe, prm_names):
     ns = sorted(table["random pick"])
     big = [n for n in ns if n >= 8] or [ns[-1]]
-    lines = []
+    lo, hi = ACCURACY_GATE
+    acc = info_acc(table)
+    lines = [f"* **Gate.** The generator's per-sample accuracy on the held-out problems is {acc:.3f}: "
+             + (f"inside [{lo:.2f}, {hi:.2f}], so best-of-N has right and wrong samples to choose "
+                "between." if lo <= acc <= hi else
+                f"outside [{lo:.2f}, {hi:.2f}]: the gate fails, so the selector comparison below "
+                "has little to pick from " + ("(almost every sample is wrong)" if acc < lo else
+                                              "(most samples are right)") +
+                " and does not test the paper's claim.")]
     rnd = np.mean([table["random pick"][n] for n in big])
     for name in prm_names:
         mn = np.mean([table[f"{name}: min r_k"][n] for n in big])
