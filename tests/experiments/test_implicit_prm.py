@@ -116,7 +116,7 @@ def test_implicit_prm_tiny(implicit_prm_tiny_run, session_tfds_dir, monkeypatch)
               "| selector | N=1 |", "| PRM | F1 |"):
         assert s in md, s
     acc = tab["random pick"][1]  # the gate states the generator's accuracy and its verdict
-    gate = "inside [0.30, 0.60]" if 0.3 <= acc <= 0.6 else "the gate fails"
+    gate = "inside [0.30, 0.60]" if 0.3 <= acc <= 0.6 else "outside [0.30, 0.60]: the gate fails"
     assert f"per-sample accuracy on the held-out problems is {acc:.3f}: {gate}" in md
 
     before = {f: os.path.getmtime(os.path.join(wd, f)) for f in
