@@ -158,8 +158,11 @@ def write_plots(wd, exp, arms, curves, refs, agg, results):
         ax.annotate(f"N={n}", (x, ax.get_ylim()[0]), fontsize=7, ha="center", va="bottom")
     ax.set_xlabel("KL(best-of-N ‖ policy) bound, nats  [log N − (N−1)/N]")
     ax.set_ylabel("gold reward of the proxy's pick")
+    single = [len(seeds_of(exp, a)) < 2 for a in arms]
+    bars = ("s.e. over prompts (one seed)" if all(single) else "std over seeds" if not any(single)
+            else "std over seeds; one-seed arms: s.e. over prompts")
     ax.set_title("Best-of-N on held-out prompts (gold = "
-                 f"{'token-additive' if 'world' in exp else 'VADER'})")
+                 f"{'token-additive' if 'world' in exp else 'VADER'})\nbars: {bars}", fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
     save_figure(fig, os.path.join(wd, "best_of_n.png"), dpi=120)

@@ -251,7 +251,10 @@ def write_outputs(workdir, exp, preset, argv, tb, pairs, results, seconds, ta):
            "temperature 1; the samples are drawn at T = 0.8, so it is the log-ratio expected under "
            "the sampling distribution). h2h: TGDPO vs the DPO policy of the same seed, same rule. "
            "train acc: `rewards/accuracies` over the last fifth of training; val pair acc: "
-           "`eval_rewards/accuracies` on the validation pairs at the end.", "",
+           "`eval_rewards/accuracies` on the validation pairs at the end"
+           + (" (this preset has no validation pairs: the trainer then evaluates on the first "
+              "training pairs, so it is a training-pair accuracy)" if not pairs["n_eval"] else "")
+           + ".", "",
            "## Reading", ""] + reading(stats, results) + [
                "", "## Per-token analysis (training pairs)", ""] + token_lines(ta, results) + [
                "## Per run", ""]
