@@ -36,10 +36,9 @@ from __future__ import annotations
 
 import json
 import os
-import time
-import zlib
 
-from experiments.common import cached, digest, run_overrides, write_atomic, write_json
+from experiments.common import cached, digest, run_overrides, stopwatch, write_atomic, write_json
+from experiments.preference_testbed import sample_groups, seed_for, train_sft
 
 GOLD_NAME = "additive_gold.sum_w(unknown=zero)"
 _QUIET = {"train.samples": 0, "train.progress": False}
@@ -51,10 +50,6 @@ REQUIRED = ("world_seed", "num_letters", "prompt_len", "response_len", "corpus_d
 def world_of(preset: dict):
     from icml_jax.data import additive_gold as ag
     return ag.make_world(int(preset["world_seed"]), num_letters=int(preset["num_letters"]))
-
-
-def _seed(base: int, name: str) -> int:
-    return int(base) * 1_000_003 + zlib.crc32(name.encode())
 
 
 def sft_config(preset: dict, corpus_path: str):
@@ -78,7 +73,7 @@ def prompt_sets(world, preset: dict) -> dict[str, list[str]]:
     import numpy as np
     sizes = {k: int(v) for k, v in preset["prompts"].items()}
     total = sum(sizes.values())
-    rng = np.random.default_rng(_seed(preset["prompt_seed"], "prompts"))
+    rng = np.random.default_rng(seed_for(preset["prompt_seed"], "prompts"))
     pool = list(dict.fromkeys(world.sample(4 * total, int(preset["prompt_len"]), rng)))
     if len(pool) < total:
         raise ValueError(f"only {len(pool)} distinct prompts of {preset['prompt_len']} letters for "
@@ -94,34 +89,13 @@ def write_corpus(world, preset: dict, path: str) -> str:
     """The SFT corpus as JSONL (one chain string per row); left untouched when unchanged (its
     mtime is part of the TFDS fingerprint). Returns the content digest."""
     import numpy as np
-    rng = np.random.default_rng(_seed(preset["corpus_seed"], "corpus"))
+    rng = np.random.default_rng(seed_for(preset["corpus_seed"], "corpus"))
     docs = world.sample(int(preset["corpus_docs"]),
                         int(preset["prompt_len"]) + int(preset["response_len"]), rng)
     text = "".join(json.dumps({"text": d}) + "\n" for d in docs)
     if not (os.path.exists(path) and open(path).read() == text):
         write_atomic(path, text)
     return digest(text)
-
-
-def sample_groups(model, params, tokenizer, prompts, n_per_prompt: int, temperature: float,
-                  max_new_tokens: int, seed: int, batch_size: int, world, *,
-                  prompt_tokens: int | None = None):
-    """``preference_testbed.sample_groups`` with the world's gold (unknown bytes score 0)."""
-    from icml_jax.inference.sampling import sample_batched
-    texts = sample_batched(model.cfg, params, tokenizer, prompts, n_per_prompt, temperature,
-                           max_new_tokens, seed, batch_size, prompt_tokens=prompt_tokens)
-    gold = world.gold_reward(texts, unknown="zero") if texts else []
-    k = n_per_prompt
-    return [{"prompt": p, "responses": texts[i * k:(i + 1) * k],
-             "gold": [float(g) for g in gold[i * k:(i + 1) * k]], "temperature": float(temperature)}
-            for i, p in enumerate(prompts)]
-
-
-def _train_sft(cfg, sft_dir: str) -> dict:
-    from experiments.common import train_run
-    summary, _, seconds = train_run(cfg, sft_dir)
-    return {"step": int(summary["step"]), "params": int(summary["params"]),
-            "eval_loss": float(summary.get("eval_loss", float("nan"))), "seconds": seconds}
 
 
 def build_additive_testbed(workdir: str, preset: dict) -> dict:
@@ -138,6 +112,9 @@ def build_additive_testbed(workdir: str, preset: dict) -> dict:
                          f"{sorted(preset['responses'])} must name the same parts")
     os.makedirs(workdir, exist_ok=True)
     world = world_of(preset)
+
+    def gold(texts):  # sampled text may hold bytes outside the alphabet: they score 0
+        return world.gold_reward(texts, unknown="zero")
     corpus = os.path.join(workdir, "corpus.jsonl")
     corpus_digest = write_corpus(world, preset, corpus)
     cfg = sft_config(preset, corpus)
@@ -145,7 +122,7 @@ def build_additive_testbed(workdir: str, preset: dict) -> dict:
     sft_dir = os.path.join(workdir, "sft")
     sft = cached(os.path.join(workdir, "sft_result.json"), {"config": cfg_dict,
                                                             "corpus": corpus_digest},
-                 lambda: _train_sft(cfg, sft_dir))
+                 lambda: train_sft(cfg, sft_dir))
     sft_key = digest(sft["key"])
     prompts = prompt_sets(world, preset)
     prompt_tokens = bucket_length(1 + max(len(p.encode()) for ps in prompts.values() for p in ps))
@@ -172,15 +149,15 @@ def build_additive_testbed(workdir: str, preset: dict) -> dict:
                     "temperature": float(preset["temperature"]),
                     "max_new_tokens": int(preset["max_new_tokens"]),
                     "batch_size": int(preset["batch_size"]), "prompt_tokens": prompt_tokens,
-                    "seed": _seed(preset["world_seed"], "sample/" + part)}
+                    "seed": seed_for(preset["world_seed"], "sample/" + part)}
 
         def compute(ps=prompts[part], s=settings):
             model, params, tok = policy()
-            t0 = time.time()
+            elapsed = stopwatch()
             groups = sample_groups(model, params, tok, ps, s["n_per_prompt"], s["temperature"],
-                                   s["max_new_tokens"], s["seed"], s["batch_size"], world,
-                                   prompt_tokens=s["prompt_tokens"])
-            return {"seconds": time.time() - t0, "groups": groups}
+                                   s["max_new_tokens"], s["seed"], s["batch_size"],
+                                   prompt_tokens=s["prompt_tokens"], gold=gold)
+            return {"seconds": elapsed(), "groups": groups}
 
         path = os.path.join(workdir, "groups", f"{part}.json")
         res = cached(path, settings, compute)
@@ -192,6 +169,5 @@ def build_additive_testbed(workdir: str, preset: dict) -> dict:
     out["seconds"]["sft"] = sft["seconds"]
     write_json(os.path.join(workdir, "testbed.json"),
                {k: v for k, v in out.items() if k not in ("groups", "prompts")})
-    out["world"] = world
-    out["gold"] = lambda texts: world.gold_reward(texts, unknown="zero")
+    out["world"], out["gold"] = world, gold
     return out

@@ -58,7 +58,7 @@ import sys
 import time
 import zlib
 
-from experiments.common import cached, digest, flatten_overrides, write_json
+from experiments.common import cached, digest, flatten_overrides, train_run, write_json
 from icml_jax import xla_env
 
 # Parts: name -> (prompt pool, slice of the pool, temperature key, responses key). Parts sharing
@@ -138,7 +138,8 @@ def sft_config(preset: dict):
     return cfg
 
 
-def _seed(base: int, name: str) -> int:
+def seed_for(base: int, name: str) -> int:
+    """A sampling seed of a named stage from a preset's base seed (stable across processes)."""
     return int(base) * 1_000_003 + zlib.crc32(name.encode())
 
 
@@ -150,7 +151,7 @@ def _prompt_sets(preset: dict) -> dict[tuple[str, str], list[str]]:
     for pool, (split, part, slices) in POOLS.items():
         counts = [int(sizes[s]) for s in slices]
         prompts = tb.prompt_pool(split, sum(counts), preset["prompt_chars"],
-                                 _seed(preset["seed"], "prompts/" + pool), part=part)
+                                 seed_for(preset["seed"], "prompts/" + pool), part=part)
         lo = 0
         for s, c in zip(slices, counts):
             out[(pool, s)] = prompts[lo: lo + c]
@@ -158,13 +159,12 @@ def _prompt_sets(preset: dict) -> dict[tuple[str, str], list[str]]:
     return out
 
 
-def _train_sft(cfg, sft_dir: str) -> dict:
-    from icml_jax.train.trainer import train_and_evaluate
-    t0 = time.time()
-    summary = train_and_evaluate(cfg, sft_dir)
+def train_sft(cfg, sft_dir: str) -> dict:
+    """Trains (or resumes) an SFT policy with ``common.train_run`` (a folder trained with another
+    config is wiped first); returns its summary for the testbed's cache."""
+    summary, _, seconds = train_run(cfg, sft_dir)
     return {"step": int(summary["step"]), "params": int(summary["params"]),
-            "eval_loss": float(summary.get("eval_loss", float("nan"))),
-            "seconds": time.time() - t0}
+            "eval_loss": float(summary.get("eval_loss", float("nan"))), "seconds": seconds}
 
 
 def _check_sft_unchanged(result_path: str, cfg_dict: dict, sft_dir: str) -> None:
@@ -220,7 +220,7 @@ def build_testbed(workdir: str, preset_cfg: dict) -> dict:
     sft_dir = os.path.join(workdir, "sft")
     _check_sft_unchanged(os.path.join(workdir, "sft_result.json"), cfg_dict, sft_dir)
     sft = cached(os.path.join(workdir, "sft_result.json"), cfg_dict,
-                 lambda: _train_sft(cfg, sft_dir))
+                 lambda: train_sft(cfg, sft_dir))
     sft_key = digest(cfg_dict)
 
     prompt_sets = _prompt_sets(preset)
@@ -240,7 +240,7 @@ def build_testbed(workdir: str, preset_cfg: dict) -> dict:
                     "temperature": float(preset[temp_key]),
                     "max_new_tokens": int(preset["max_new_tokens"]),
                     "batch_size": int(preset["batch_size"]), "prompt_tokens": prompt_tokens,
-                    "seed": _seed(preset["seed"], "sample/" + name)}
+                    "seed": seed_for(preset["seed"], "sample/" + name)}
 
         def compute(prompts=prompts, s=settings):
             model, params, tok = policy.get()
@@ -285,17 +285,19 @@ def main(argv=None) -> dict:
 
 def sample_groups(model, params, tokenizer, prompts, n_per_prompt: int, temperature: float,
                   max_new_tokens: int, seed: int, batch_size: int = 64, *,
-                  prompt_tokens: int | None = None, top_k: int = 0, top_p: float = 1.0):
+                  prompt_tokens: int | None = None, top_k: int = 0, top_p: float = 1.0,
+                  gold=None):
     """``n_per_prompt`` continuations of each prompt (``icml_jax.inference.sampling.
     sample_batched``, whose docstring gives the batching and the keys), each scored by the gold
-    reward. Returns one group per prompt, in order: ``{"prompt": str, "responses": [str] * n,
+    reward (``gold``: a function texts -> scores; default the VADER gold of the sentiment
+    testbed). Returns one group per prompt, in order: ``{"prompt": str, "responses": [str] * n,
     "gold": [float] * n, "temperature": float}``."""
     from icml_jax.data import sentiment_testbed as tb
     from icml_jax.inference.sampling import sample_batched
     texts = sample_batched(model.cfg, params, tokenizer, prompts, n_per_prompt, temperature,
                            max_new_tokens, seed, batch_size, prompt_tokens=prompt_tokens,
                            top_k=top_k, top_p=top_p)
-    gold = tb.gold_reward(texts) if texts else []
+    gold = (gold or tb.gold_reward)(texts) if texts else []
     k = n_per_prompt
     return [{"prompt": p, "responses": texts[i * k:(i + 1) * k],
              "gold": [float(g) for g in gold[i * k:(i + 1) * k]], "temperature": float(temperature)}

@@ -21,12 +21,13 @@ def _pm(t, nd=3):
 
 # ----------------------------------------------------------------------------- summaries
 
-def head_to_head(results):
-    """TGDPO run -> its per-prompt win rates against the DPO run of its seed."""
+def head_to_head(results, partner=lambda r: f"dpo_s{r['seed']}"):
+    """TGDPO run -> its per-prompt win rates against its DPO partner run (``partner(run)``: the
+    DPO run's name; default the DPO run of the same seed)."""
     out = {}
     for name, r in results.items():
-        if r["arm"].startswith("TGDPO"):
-            dpo = results[f"dpo_s{r['seed']}"]
+        if r["arm"].startswith("TGDPO") and partner(r) in results:
+            dpo = results[partner(r)]
             out[name] = per_prompt_win([g["gold"] for g in r["groups"]],
                                        [g["gold"] for g in dpo["groups"]])
     return out
@@ -55,13 +56,14 @@ def _r(x, nd=5):
     return "" if x is None else round(float(x), nd)
 
 
-def arm_stats(results, h2h):
-    """arm -> {metric: (mean, std over seeds, n)} over the main runs (guidance, SFT excluded)."""
+def arm_stats(results, h2h, key=lambda r: r["arm"]):
+    """key -> {metric: (mean, std over seeds, n)} over the main runs (guidance, SFT excluded),
+    runs grouped by ``key(run)`` (default their arm)."""
     arms = {}
     for name, r in results.items():
         if name in ("sft", "guidance"):
             continue
-        arms.setdefault(r["arm"], []).append(name)
+        arms.setdefault(key(r), []).append(name)
 
     def ms(vals):  # the seed std (ddof = 1; one seed: 0), as the main table always had
         return mean_spread(vals, "std")

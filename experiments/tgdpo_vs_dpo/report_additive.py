@@ -6,52 +6,23 @@ import os
 
 import numpy as np
 
-from experiments.common import (git_commit, markdown_table, mean_spread, pm,
+from experiments.common import (git_commit, markdown_table, pm,
                                 write_atomic, write_csv)
+from experiments.tgdpo_vs_dpo import report
 from experiments.tgdpo_vs_dpo.report import CSV_FIELDS, csv_rows, finish_win_vs_kl, plot_curves
-from experiments.tgdpo_vs_dpo.stages import per_prompt_win, pop_se
 
 ADDITIVE_CSV_FIELDS = CSV_FIELDS[:3] + ("beta",) + CSV_FIELDS[3:]
 
 
-def dpo_partner(results, r):
-    return f"dpo_b{r['beta']:g}_s{r['seed']}"
-
-
 def head_to_head(results):
     """TGDPO run -> its per-prompt win rates against the DPO run of its beta and seed."""
-    out = {}
-    for name, r in results.items():
-        if r["arm"].startswith("TGDPO") and dpo_partner(results, r) in results:
-            dpo = results[dpo_partner(results, r)]
-            out[name] = per_prompt_win([g["gold"] for g in r["groups"]],
-                                       [g["gold"] for g in dpo["groups"]])
-    return out
+    return report.head_to_head(results, partner=lambda r: f"dpo_b{r['beta']:g}_s{r['seed']}")
 
 
 def cell_stats(results, h2h):
-    """(alpha, beta) -> {metric: (mean, std over seeds, n)} over the main runs."""
-    cells = {}
-    for name, r in results.items():
-        if name in ("sft", "guidance"):
-            continue
-        cells.setdefault((float(r["alpha"]), float(r["beta"])), []).append(name)
-    out = {}
-    for key, names in sorted(cells.items()):
-        rs = [results[n] for n in names]
-        ms = lambda v: mean_spread(v, "std")  # noqa: E731
-        out[key] = {"arm": rs[0]["arm"], "runs": names,
-                    "win_vs_sft": ms([r["win_vs_sft"] for r in rs]),
-                    "mean_gold": ms([r["mean_gold"] for r in rs]),
-                    "kl": ms([r["kl"] for r in rs]),
-                    "train_accuracy": ms([r["final_train"].get("rewards/accuracies", np.nan)
-                                          for r in rs]),
-                    "eval_accuracy": ms([r["eval_pairs"].get("eval_rewards/accuracies", np.nan)
-                                         for r in rs])}
-        if names[0] in h2h:
-            out[key]["h2h"] = ms([np.mean(h2h[n]) for n in names])
-            out[key]["h2h_se"] = pop_se(np.concatenate([h2h[n] for n in names]))
-    return out
+    """(alpha, beta) -> ``report.arm_stats``'s metrics of that cell, plus its ``arm``."""
+    cells = report.arm_stats(results, h2h, key=lambda r: (float(r["alpha"]), float(r["beta"])))
+    return {k: {**c, "arm": results[c["runs"][0]]["arm"]} for k, c in sorted(cells.items())}
 
 
 def frontier(cells, alpha):

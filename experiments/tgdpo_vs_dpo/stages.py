@@ -198,17 +198,10 @@ def evaluate_policy(models, params, tb, exp):
     ref_groups = tb["groups"]["tgdpo_eval"]
     mnt = int(tb["preset"]["max_new_tokens"])
     prompt_tokens = 1 + max(len(models.tok.encode(p)) for p in prompts)
-    if tb.get("world") is not None:  # the additive world's gold (experiments/additive_testbed.py)
-        from experiments.additive_testbed import sample_groups
-        groups = sample_groups(
-            models.model, params, models.tok, prompts, int(exp.eval_samples),
-            float(exp.eval_temperature), mnt, int(exp.eval_seed), int(exp.eval_batch_size),
-            tb["world"], prompt_tokens=prompt_tokens)
-    else:
-        groups = preference_testbed.sample_groups(
-            models.model, params, models.tok, prompts, int(exp.eval_samples),
-            float(exp.eval_temperature), mnt, int(exp.eval_seed), int(exp.eval_batch_size),
-            prompt_tokens=prompt_tokens)
+    groups = preference_testbed.sample_groups(  # tb["gold"]: the additive world's, if it is one
+        models.model, params, models.tok, prompts, int(exp.eval_samples),
+        float(exp.eval_temperature), mnt, int(exp.eval_seed), int(exp.eval_batch_size),
+        prompt_tokens=prompt_tokens, gold=tb.get("gold"))
     kl = seq_kl(models, params, groups, mnt, int(exp.eval_batch_size))
     gold = [g["gold"] for g in groups]
     wins = per_prompt_win(gold, [g["gold"] for g in ref_groups])
@@ -377,18 +370,17 @@ def reward_recovery(exp, tb, workdir):
     lp = lambda params: batched_apply(lambda b: m.token_logps(params, b), rows, bs)  # noqa: E731
     r_hat_all = float(exp.beta) * (lp(m.params_of(os.path.join(workdir, "guidance")))
                                    - lp(m.ref_params))
-    index = {c: i for i, c in enumerate(world.alphabet)}
     r_hat, true, letter, seq_r, seq_gold = [], [], [], [], []
     for i, r in enumerate(resp):
         pos = np.flatnonzero(arrays["response_mask"][i] > 0)
-        chars = [chr(b) for b in r.encode("utf-8")]
+        chars = r.encode("utf-8").decode("latin-1")  # one character per byte token
         if len(pos) != len(chars):
             raise RuntimeError(f"response {i}: {len(pos)} masked tokens for {len(chars)} bytes")
         rh = r_hat_all[i, pos]
-        w = np.asarray([world.weights[index[c]] if c in index else 0.0 for c in chars])
+        w = world.token_rewards(chars, unknown="zero")
         r_hat.append(rh)
         true.append(w)
-        letter += [index.get(c, -1) for c in chars]
+        letter += world.letter_ids(chars, unknown="zero").tolist()
         seq_r.append(float(rh.sum()))
         seq_gold.append(float(w.sum()))
     r_hat, true, letter = np.concatenate(r_hat), np.concatenate(true), np.asarray(letter)

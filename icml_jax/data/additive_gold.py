@@ -42,7 +42,7 @@ class AdditiveWorld:
     trans: np.ndarray  # [A, A] next-letter probabilities (rows sum to 1)
     weights: np.ndarray  # [A] gold reward of each letter
 
-    def _ids(self, text: str, unknown: str = "error") -> np.ndarray:
+    def letter_ids(self, text: str, unknown: str = "error") -> np.ndarray:
         """Letter indices of ``text``; with ``unknown="zero"`` a character outside the alphabet
         gets index -1 instead of raising."""
         if unknown not in ("error", "zero"):
@@ -58,7 +58,7 @@ class AdditiveWorld:
         """The true per-token contribution w[y_t] of every letter of ``response``, float64 [len].
         ``unknown``: ``"error"`` (default) rejects a character outside the alphabet, ``"zero"``
         gives it reward 0 (text sampled from a model, which may emit other bytes)."""
-        ids = self._ids(response, unknown)
+        ids = self.letter_ids(response, unknown)
         return np.where(ids >= 0, self.weights[np.maximum(ids, 0)], 0.0).astype(np.float64)
 
     def gold_reward(self, responses, unknown: str = "error") -> np.ndarray:
@@ -82,7 +82,7 @@ class AdditiveWorld:
         """``n`` strings of ``length`` letters from the (shifted) chain; ``after``: continue the
         string ``after`` (its last letter conditions the first one)."""
         init, trans = self.chain(tilt, temperature)
-        first = init if not after else trans[self._ids(after[-1])[0]]
+        first = init if not after else trans[self.letter_ids(after[-1])[0]]
         out = []
         for _ in range(n):
             ids = [int(rng.choice(len(self.alphabet), p=first))]
@@ -115,6 +115,11 @@ def make_world(seed: int = 0, *, num_letters: int = 8, concentration: float = 1.
                          weights=rng.standard_normal(a))
 
 
+def _fresh(world: AdditiveWorld, n: int, length: int, rng, used: set, **shift) -> list[str]:
+    """Up to ``n`` distinct chain strings (one draw of 4n) not in ``used``, in draw order."""
+    return [p for p in dict.fromkeys(world.sample(4 * n, length, rng, **shift)) if p not in used][:n]
+
+
 def make_splits(world: AdditiveWorld, seed: int, *, n_train: int, n_val: int, n_per_prompt: int,
                 prompt_len: int, response_len: int, tilt: float = 1.0,
                 ood_temperature: float = 2.0, n_bon: int = 0,
@@ -133,8 +138,7 @@ def make_splits(world: AdditiveWorld, seed: int, *, n_train: int, n_val: int, n_
     train_p, val_p = pool[:n_train], pool[n_train:n_train + n_val]
     temp_p = pool[n_train + n_val:n_train + 2 * n_val]
     used = set(pool[:n_train + 2 * n_val])
-    ood_p = [p for p in dict.fromkeys(world.sample(4 * n_val, prompt_len, rng, tilt=tilt))
-             if p not in used][:n_val]
+    ood_p = _fresh(world, n_val, prompt_len, rng, used, tilt=tilt)
     out = {"train": world.groups(train_p, n_per_prompt, response_len, rng),
            "val_in": world.groups(val_p, n_per_prompt, response_len, rng),
            "val_prompt_ood": world.groups(ood_p, n_per_prompt, response_len, rng),
@@ -146,8 +150,7 @@ def make_splits(world: AdditiveWorld, seed: int, *, n_train: int, n_val: int, n_
         if bon_per_prompt < 1:
             raise ValueError(f"n_bon={n_bon} needs bon_per_prompt >= 1, got {bon_per_prompt}")
         used |= set(ood_p)
-        bon_p = [p for p in dict.fromkeys(world.sample(4 * n_bon, prompt_len, rng))
-                 if p not in used][:n_bon]
+        bon_p = _fresh(world, n_bon, prompt_len, rng, used)
         if len(bon_p) < n_bon:
             raise ValueError(f"only {len(bon_p)} unused prompts of {prompt_len} letters for "
                              f"n_bon={n_bon}; raise prompt_len or lower n_bon")

@@ -52,7 +52,7 @@ def test_the_shifts_move_the_distribution(world):
     tilted = world.sample(400, 12, np.random.default_rng(0), tilt=1.5)
     assert world.gold_reward(tilted).mean() > world.gold_reward(base).mean() + 1.0
     hot = world.sample(400, 12, np.random.default_rng(0), temperature=3.0)
-    letters = lambda s: np.bincount(np.concatenate([world._ids(x) for x in s]), minlength=8)  # noqa: E731
+    letters = lambda s: np.bincount(np.concatenate([world.letter_ids(x) for x in s]), minlength=8)  # noqa: E731
     entropy = lambda c: -np.sum(c / c.sum() * np.log(c / c.sum() + 1e-12))  # noqa: E731
     assert entropy(letters(hot)) > entropy(letters(base))
     init, trans = world.chain(0.7, 1.3)
@@ -86,7 +86,7 @@ def test_pilot_letter_counts_learn_the_preference_and_length_does_not(world, spl
     """A least-squares fit of gold on letter counts (the simplest reward model) ranks held-out pairs
     almost perfectly, on both shifts; response length alone (all equal here) is at chance."""
     def counts(texts):
-        return np.stack([np.bincount(world._ids(t), minlength=8) for t in texts]).astype(float)
+        return np.stack([np.bincount(world.letter_ids(t), minlength=8) for t in texts]).astype(float)
     train = [(r, s) for g in splits["train"] for r, s in zip(g["responses"], g["gold"])]
     coef, *_ = np.linalg.lstsq(counts([r for r, _ in train]), np.array([s for _, s in train]), rcond=None)
     for name in ("val_in", "val_prompt_ood", "val_temp_ood"):

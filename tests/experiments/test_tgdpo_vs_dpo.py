@@ -173,6 +173,13 @@ def test_tgdpo_vs_dpo_additive_tiny_end_to_end(tmp_path, monkeypatch):
     assert rr["token"]["n"] > 0
     assert math.isfinite(rr["token"]["pearson"]) and math.isfinite(rr["token"]["spearman"])
     assert -1.0 <= rr["token"]["pearson"] <= 1.0
+    # the token alignment: each letter's count is its count in the held-out SFT samples' bytes,
+    # its w the world's, and r-hat is not identically zero (the guidance moved off the reference)
+    text = "".join(r for g in groups["tgdpo_eval"] for r in g["responses"])
+    assert {x["letter"]: x["count"] for x in rr["per_letter"]} == {
+        c: text.count(c) for c in world.alphabet}
+    assert [x["w"] for x in rr["per_letter"]] == pytest.approx(world.weights.tolist())
+    assert rr["n_tokens"] == len(text.encode()) and rr["r_hat"]["max"] > rr["r_hat"]["min"]
     md = open(os.path.join(wd, "results.md")).read()
     for s in ("## Reading", "Pilot gate", "## TGDPO vs DPO at matched KL", "Spearman",
               "DISJOINT", "| TGDPO α=1 | 0.1 |"):
