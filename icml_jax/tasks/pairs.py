@@ -120,9 +120,17 @@ class PairTask(Task):
         run from one SFT reference compute them once). The fingerprint covers what they depend
         on: the params' bytes, the token / position / segment / response-mask arrays (so the
         dataset, tokenizer and truncation), the model config, the scoring batch, the source of
-        ``models/`` and ``losses/logps.py``, and the JAX version, backend and device kind.
-        Single-process runs only (a multi-process run computes them, as before); a folder that
-        cannot be written is skipped with a warning."""
+        ``models/`` and ``losses/logps.py``, and the JAX version, backend and device kind; not the
+        process count, so runs of any process count share a file.
+
+        In a multi-process run each process holds the whole frozen params on its first device
+        (``restore_params``) and scores only its share of the rows (``_score_shares``), the
+        same batches a single process would score; the shares are then gathered, so every
+        process ends with all the arrays (its slices of a global batch may be any rows). The
+        processes first compare their fingerprints (they must have read the same data,
+        checkpoint and code) and read the file only when every one of them can; process 0 alone
+        writes it. A folder that cannot be written is skipped with a warning; an INFO line says
+        whether the arrays were read or computed, and how many rows this process scored."""
         if self.context.restore_params is None:
             raise ValueError(f"{where}={workdir!r}: reading another run's params needs "
                              "tasks.TaskContext(restore_params=...) (train_and_evaluate passes it)")
@@ -134,15 +142,25 @@ class PairTask(Task):
         splits = {"train": self.train_arrays, "eval": self.eval_arrays}
         rows = {name: {k: arrays[k].reshape(-1, T) for k in _SCORED_KEYS}
                 for name, arrays in splits.items()}
-        path = None
-        if jax.process_count() == 1:
-            path = os.path.join(workdir, "frozen_logps",
-                                _fingerprint(params, rows, self.config.model, batch) + ".npz")
+        fingerprint = _fingerprint(params, rows, self.config.model, batch)
+        path = os.path.join(workdir, "frozen_logps", fingerprint + ".npz")
         cached = _read_cache(path, {n: splits[n]["inputs"].shape for n in splits})
-        if cached is None:
-            cached = {name: batched_apply(lambda b: self.token_logps(params, b), r, batch).reshape(
-                splits[name]["inputs"].shape) for name, r in rows.items()}
-            _write_cache(path, cached)
+        if jax.process_count() > 1 and not _everyone_can_read(fingerprint, cached is not None,
+                                                              where, workdir):
+            cached = None  # scoring is shared, so every process scores when any one must
+        total = sum(len(r["inputs"]) for r in rows.values())
+        if cached is not None:
+            logging.info("frozen log-probs %s (%s=%s): read %s", key, where, workdir, path)
+        else:
+            scored, counts = _score_shares(lambda b: self.token_logps(params, b), rows, batch)
+            cached = {name: scored[name].reshape(splits[name]["inputs"].shape) for name in splits}
+            if jax.process_index() == 0:
+                _write_cache(path, cached)
+            each = f" ({' + '.join(map(str, counts))} in {len(counts)} processes)" \
+                if len(counts) > 1 else ""
+            logging.info("frozen log-probs %s (%s=%s): computed %d of %d rows on this process%s; "
+                         "kept in %s", key, where, workdir, counts[jax.process_index()], total,
+                         each, path)
         for name, arrays in splits.items():
             arrays[key] = cached[name]
         self.cached.append(key)
@@ -198,9 +216,54 @@ def _fingerprint(params, rows: dict, model_cfg, batch: int) -> str:
     return h.hexdigest()[:32]
 
 
+def _everyone_can_read(fingerprint: str, readable: bool, where: str, workdir: str) -> bool:
+    """Whether every process of a multi-process run read the cache file; raises ValueError when
+    their fingerprints differ (they read other data, another checkpoint step or other code)."""
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    mine = np.frombuffer(bytes.fromhex(fingerprint) + bytes([readable]), np.uint8)
+    rows = np.asarray(multihost_utils.process_allgather(mine)).reshape(jax.process_count(), -1)
+    prints = [bytes(r[:-1]).hex() for r in rows]
+    if len(set(prints)) > 1:
+        raise ValueError(
+            f"{where}={workdir!r}: the processes disagree on what the frozen log-probs depend on "
+            f"(fingerprints {prints}, in process order): every process must read the same data "
+            "files and code, and the same checkpoint step of the frozen run")
+    return bool(np.all(rows[:, -1]))
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _score_shares(fn, rows: dict, batch: int) -> tuple[dict, list]:
+    """``batched_apply(fn, ...)`` of every split of ``rows`` ({split: {key: [N, T]}}), the work
+    shared by the processes: process p scores the p-th contiguous run of the batches a single
+    process would score (so the results are the same), then every process gets all of them ->
+    ({split: float32 [N, T]}, rows each process scored, in process order)."""
+    count, index = jax.process_count(), jax.process_index()
+    out, mine = {}, 0
+    for name, r in rows.items():
+        n = len(r["inputs"])
+        share = _ceil(_ceil(n, batch), count) * batch  # rows per process: whole batches
+        lo, hi = min(n, index * share), min(n, (index + 1) * share)
+        part = {k: v[lo:hi] for k, v in r.items()}
+        out[name] = batched_apply(fn, part, batch) if hi > lo else \
+            np.zeros((0,) + r["inputs"].shape[1:], np.float32)
+        mine += hi - lo
+        if count > 1:  # equal shapes for the gather; the padding is cut off below
+            out[name] = np.pad(out[name], ((0, share - (hi - lo)), (0, 0)))
+    if count == 1:
+        return out, [mine]
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    out["rows"] = np.asarray([mine], np.int32)
+    got = multihost_utils.process_allgather(out, tiled=True)
+    counts = [int(c) for c in np.asarray(got.pop("rows"))]
+    return {name: np.asarray(got[name])[:len(rows[name]["inputs"])] for name in rows}, counts
+
+
 def _read_cache(path, shapes: dict):
     """The cached arrays of ``path`` if it holds every split at its shape, else None."""
-    if path is None or not os.path.exists(path):
+    if not os.path.exists(path):
         return None
     try:
         with np.load(path) as f:
@@ -212,8 +275,6 @@ def _read_cache(path, shapes: dict):
 
 
 def _write_cache(path, arrays: dict) -> None:
-    if path is None:
-        return
     try:
         with atomic_path(path, suffix=".tmp.npz") as tmp:
             np.savez_compressed(tmp, **arrays)

@@ -283,3 +283,25 @@ def test_frozen_logps_are_kept_on_disk_reused_and_invalidated(setup, monkeypatch
     ctx = tasks.TaskContext(num_shards=1, restore_params=lambda wd, m: moved)
     task = tasks.TASKS.get("preference")(c, ctx)
     assert calls and not np.array_equal(task.train_arrays["ref_logps"], first.train_arrays["ref_logps"])
+
+
+def test_processes_read_the_frozen_logps_cache_only_together(monkeypatch):
+    """Multi-process runs (the gather faked for a second process): the file is read only when
+    every process can read it, and processes with different fingerprints stop with an error."""
+    from jax.experimental import multihost_utils
+    from icml_jax.tasks import pairs
+    mine, theirs = "ab" * 16, []
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(multihost_utils, "process_allgather", lambda x: np.stack([x, theirs[0]]))
+
+    def other(fingerprint, readable):
+        theirs[:] = [np.frombuffer(bytes.fromhex(fingerprint) + bytes([readable]), np.uint8)]
+
+    other(mine, True)
+    assert pairs._everyone_can_read(mine, True, "config.loss.reference", "sft")
+    assert not pairs._everyone_can_read(mine, False, "config.loss.reference", "sft")
+    other(mine, False)
+    assert not pairs._everyone_can_read(mine, True, "config.loss.reference", "sft")
+    other("cd" * 16, True)
+    with pytest.raises(ValueError, match="config.loss.reference='sft': the processes disagree"):
+        pairs._everyone_can_read(mine, True, "config.loss.reference", "sft")

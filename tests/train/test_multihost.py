@@ -3,7 +3,8 @@
 The processes talk over 127.0.0.1 only (coordinator + gloo collectives). Checked: the 2-process
 run's losses equal a 1-process 1-device run's (the test's own process); its checkpoint resumes
 exactly in 1 process on 1 device; a checkpoint restores onto other device counts and mesh shapes
-with the same params; a process that dies makes the other stop with an error; no socket leaves the loopback interface.
+with the same params; a DPO run's frozen reference log-probs are scored in per-process shares;
+a process that dies makes the other stop with an error; no socket leaves the loopback interface.
 """
 import json
 import os
@@ -42,9 +43,11 @@ def data_dir(session_tfds_dir):
     return session_tfds_dir
 
 
-def launch(workdir, *overrides, data_dir, n=2, devices=4, heartbeat=10):
+def launch(workdir, *overrides, data_dir, n=2, devices=4, heartbeat=10, config=None):
     """Starts ``n`` processes of the entry point joined through a loopback coordinator."""
     main_args = main_cmd(workdir, *overrides)[3:] + ["--initialization_timeout=120"]
+    if config:
+        main_args[0] = f"--config={config}"
     return launch_local.spawn(main_args, num_processes=n, devices_per_process=devices,
                               heartbeat_timeout=heartbeat, cwd=REPO_ROOT, env=env(1, data_dir),
                               stdouts=[subprocess.PIPE] * n, stderrs=[subprocess.PIPE] * n)
@@ -65,8 +68,8 @@ def finish(procs, timeout):
     return out
 
 
-def run_two(workdir, *overrides, data_dir, timeout=420):
-    results = finish(launch(workdir, *overrides, data_dir=data_dir), timeout)
+def run_two(workdir, *overrides, data_dir, timeout=420, **kw):
+    results = finish(launch(workdir, *overrides, data_dir=data_dir, **kw), timeout)
     for i, (rc, so, se) in enumerate(results):
         assert rc == 0, f"process {i} failed ({rc}):\n{so[-2000:]}\n{se[-3000:]}"
     return results
@@ -118,6 +121,42 @@ def test_two_processes_equal_one_process_and_resume_in_one(tmp_path, data_dir, s
     got = train_losses(resumed)
     assert sorted(got) == list(range(1, 7))
     assert max(abs(got[s] - want[s]) for s in (5, 6)) <= 1e-5, (want, got)
+
+
+def test_frozen_logps_are_scored_in_shares_equal_one_process_and_read_back(tmp_path, data_dir):
+    """A 2-process DPO run scores its reference's log-probs in shares (each process whole
+    scoring batches of its own), gathers them equal to one process's (the same cache file name)
+    with every row where the train batches need it (step-1 loss = log 2: policy = reference),
+    and keeps them on disk; a second 2-process run reads them."""
+    from icml_jax.data.preference import write_preference_jsonl
+    from icml_jax.train.trainer import build_task
+    from tests.tasks.helpers import synthetic_pairs
+    from tests.train.helpers import cli_config
+
+    sft = str(tmp_path / "sft")
+    train_in_process(sft, "--config.train.steps=1", *SHORT, data_dir=data_dir)
+    data = str(tmp_path / "pairs.jsonl")
+    # 72 train rows = 5 scoring batches of 16 (3 + 2 per process), 32 eval rows = 2 (1 + 1)
+    write_preference_jsonl(data, synthetic_pairs(36, 0))
+    dpo = [f"--config.data.path={data}", f"--config.train.init_from={sft}",
+           "--config.train.steps=1", "--config.train.log_every=1"]
+    one = build_task(cli_config("configs/dpo.py:tiny", *dpo), (1, 1, 1))  # this process: 1 device
+    cache = os.path.join(sft, "frozen_logps")
+    [name] = os.listdir(cache)
+    shutil.rmtree(cache)
+
+    kw = dict(config="configs/dpo.py:tiny", devices=2, data_dir=data_dir)
+    (_, _, err0), _ = run_two(str(tmp_path / "dpo"), *dpo, **kw)
+    assert "frozen log-probs ref_logps (config.loss.reference=" in err0
+    assert "computed 64 of 104 rows on this process (64 + 40 in 2 processes)" in err0, err0[-3000:]
+    assert os.listdir(cache) == [name]
+    with np.load(os.path.join(cache, name)) as z:
+        for split, arrays in (("train", one.train_arrays), ("eval", one.eval_arrays)):
+            np.testing.assert_allclose(z[split], arrays["ref_logps"], rtol=0, atol=1e-6)
+    assert abs(train_losses(str(tmp_path / "dpo"))[1] - np.log(2)) < 1e-5
+
+    (_, _, err0), _ = run_two(str(tmp_path / "dpo_again"), *dpo, **kw)
+    assert f"read {os.path.join(cache, name)}" in err0 and "rows on this process" not in err0
 
 
 _RESTORE_SCRIPT = r"""
