@@ -35,7 +35,8 @@ PRESETS = {
                             train=dict(steps=30, batch_size=8, lr=1e-2, warmup_steps=3,
                                        log_every=10, eval_every=30, eval_batches=1,
                                        checkpoint_every=30, async_checkpoint=False))),
-        seeds=(0,), alphas=(0.0, 1.0), betas=(0.1,), guidance_seed=1000, beta=0.1,
+        seeds=(0,), alphas=(0.0, 1.0), betas=(0.1,), dpo_steps=(16,), guidance_seed=1000,
+        beta=0.1,
         eval_samples=4, eval_temperature=1.0, eval_seed=4242, eval_batch_size=64,
         train=dict(train=dict(steps=8, batch_size=4, lr=1e-3, warmup_steps=1, log_every=2,
                               eval_every=8, checkpoint_every=8, async_checkpoint=False)),
@@ -52,7 +53,10 @@ PRESETS = {
                             train=dict(steps=400, batch_size=16, lr=3e-3, warmup_steps=20,
                                        log_every=50, eval_every=400, eval_batches=4,
                                        checkpoint_every=400, async_checkpoint=False))),
-        seeds=(0, 1, 2), alphas=(0.0, 0.5, 1.0), betas=(0.05, 0.1, 0.3), guidance_seed=1000,
+        # dpo_steps: DPO again at 2x and 4x the steps (60-step DPO stays at KL 7-9 nats for every
+        # beta while TGDPO reaches 10-20: matched-KL comparisons need DPO points up there)
+        seeds=(0, 1, 2), alphas=(0.0, 0.5, 1.0), betas=(0.05, 0.1, 0.3), dpo_steps=(120, 240),
+        guidance_seed=1000,
         beta=0.1, eval_samples=4, eval_temperature=1.0, eval_seed=4242, eval_batch_size=256,
         train=dict(train=dict(steps=60, batch_size=16, lr=1e-3, warmup_steps=6, log_every=10,
                               eval_every=60, checkpoint_every=60, async_checkpoint=False)),

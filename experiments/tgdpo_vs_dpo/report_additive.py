@@ -20,56 +20,73 @@ def head_to_head(results):
 
 
 def cell_stats(results, h2h):
-    """(alpha, beta) -> ``report.arm_stats``'s metrics of that cell, plus its ``arm``."""
-    cells = report.arm_stats(results, h2h, key=lambda r: (float(r["alpha"]), float(r["beta"])))
+    """(alpha, beta, steps) -> ``report.arm_stats``'s metrics of that cell, plus its ``arm``."""
+    cells = report.arm_stats(results, h2h, key=lambda r: (float(r["alpha"]), float(r["beta"]),
+                                                          int(r["steps"])))
     return {k: {**c, "arm": results[c["runs"][0]]["arm"]} for k, c in sorted(cells.items())}
 
 
 def frontier(cells, alpha):
-    """[(kl, win, beta)] of one alpha's cells (means over seeds), sorted by KL."""
-    pts = [(c["kl"][0], c["win_vs_sft"][0], b) for (a, b), c in cells.items() if a == alpha]
+    """[(kl, win, beta, steps)] of one alpha's cells (means over seeds), sorted by KL."""
+    pts = [(c["kl"][0], c["win_vs_sft"][0], b, n) for (a, b, n), c in cells.items() if a == alpha]
     return sorted(pts)
 
 
-def matched_kl(cells):
-    """Per TGDPO cell, DPO at the cell's KL (means over seeds):
+def _against(kls, ys, kl, y):
+    """DPO's points (KL ascending ``kls``, values ``ys``) against a TGDPO cell at (kl, y). DPO's
+    frontier is their upper envelope (the points no lower-KL point beats: longer DPO runs can
+    degrade, and a line through a degraded point is not what DPO can reach). Returns (the
+    frontier at that KL, linear in KL between its points inside its range, else its nearest
+    point; whether interpolated; the KL gap to that nearest point; the best DPO value at
+    KL <= kl and its KL; the status)."""
+    keep = [i for i in range(len(ys)) if i == 0 or ys[i] > ys[:i].max()]
+    fk, fy = kls[keep], ys[keep]
+    inside = bool(len(fk) > 1 and fk[0] <= kl <= fk[-1])
+    if inside:
+        ref, gap = float(np.interp(kl, fk, fy)), 0.0
+    else:
+        j = int(np.argmin(np.abs(fk - kl)))
+        ref, gap = float(fy[j]), float(kl - fk[j])
+    le = kls <= kl
+    best = float(ys[le].max()) if le.any() else float("nan")
+    best_kl = float(kls[le][np.argmax(ys[le])]) if le.any() else float("nan")
+    status = ("dominated" if le.any() and best >= y else "above" if inside and y > ref
+              else "unmatched")
+    return ref, inside, gap, best, best_kl, status
 
-    * ``dpo_win``: DPO's (KL, win rate) points over the beta grid, linear in KL, at the cell's KL
-      when it lies inside DPO's KL range (``interpolated``); else the nearest DPO point, with the
-      KL gap (``kl_gap``);
+
+def matched_kl(cells):
+    """Per TGDPO cell (keyed (alpha, beta)), DPO at the cell's KL (means over seeds; DPO's
+    points: every DPO cell, over the beta grid and the ``dpo_steps`` sweep):
+
+    * ``dpo_win``: DPO's frontier (the upper envelope of its (KL, win rate) points), linear in
+      KL, at the cell's KL when it lies inside the frontier's KL range (``interpolated``); else
+      its nearest point, with the KL gap (``kl_gap``);
     * ``dpo_best``: the best DPO win rate at a KL no larger than the cell's (``dpo_best_kl`` its
-      KL; NaN if every DPO KL is larger), and ``dpo_best_gold`` the same for mean gold;
+      KL; NaN if every DPO KL is larger);
     * ``status``: ``dominated`` (some DPO cell wins at least as often at no more KL), ``above``
       (inside DPO's KL range and above its interpolated win rate, not dominated) or
-      ``unmatched`` (beyond DPO's KL range and above every DPO cell of lower KL)."""
-    dpo = [(c["kl"][0], c["win_vs_sft"][0], c["mean_gold"][0])
-           for (a, _), c in cells.items() if a == 0.0]
-    dpo.sort()
+      ``unmatched`` (beyond DPO's KL range and above every DPO cell of lower KL);
+    * the same for mean gold (``dpo_gold``, ``gold_delta``, ``dpo_best_gold``,
+      ``gold_status``): the measure that does not saturate when win rates reach 1."""
+    dpo = sorted((c["kl"][0], c["win_vs_sft"][0], c["mean_gold"][0])
+                 for (a, _, _), c in cells.items() if a == 0.0)
     out = {}
     if not dpo:
         return out
-    kls, wins = np.asarray([p[0] for p in dpo]), np.asarray([p[1] for p in dpo])
-    golds = np.asarray([p[2] for p in dpo])
-    for (a, b), c in cells.items():
+    kls, wins, golds = (np.asarray([p[i] for p in dpo]) for i in range(3))
+    for (a, b, _), c in cells.items():
         if a == 0.0:
             continue
-        kl, win = c["kl"][0], c["win_vs_sft"][0]
-        inside = bool(len(dpo) > 1 and kls[0] <= kl <= kls[-1])
-        if inside:
-            ref, gap = float(np.interp(kl, kls, wins)), 0.0
-        else:
-            j = int(np.argmin(np.abs(kls - kl)))
-            ref, gap = float(wins[j]), float(kl - kls[j])
-        le = kls <= kl
-        best = float(wins[le].max()) if le.any() else float("nan")
-        best_kl = float(kls[le][np.argmax(wins[le])]) if le.any() else float("nan")
-        best_gold = float(golds[le].max()) if le.any() else float("nan")
-        status = ("dominated" if le.any() and best >= win else "above" if inside and win > ref
-                  else "unmatched")
-        out[(a, b)] = {"kl": kl, "win": win, "gold": c["mean_gold"][0], "dpo_win": ref,
+        kl, win, gold = c["kl"][0], c["win_vs_sft"][0], c["mean_gold"][0]
+        ref, inside, gap, best, best_kl, status = _against(kls, wins, kl, win)
+        g_ref, _, _, g_best, _, g_status = _against(kls, golds, kl, gold)
+        out[(a, b)] = {"kl": kl, "win": win, "gold": gold, "dpo_win": ref,
                        "delta": win - ref, "interpolated": inside, "kl_gap": gap,
-                       "dpo_best": best, "dpo_best_kl": best_kl, "dpo_best_gold": best_gold,
-                       "status": status}
+                       "dpo_best": best, "dpo_best_kl": best_kl, "dpo_gold": g_ref,
+                       "gold_delta": gold - g_ref, "dpo_best_gold": g_best,
+                       "gold_status": g_status, "status": status,
+                       "win_std": c["win_vs_sft"][1], "gold_std": c["mean_gold"][1]}
     return out
 
 
@@ -83,7 +100,7 @@ def gate(results, cells):
     lines = [f"* **Pilot gate.** The guidance policy π_r wins {g['win_vs_sft']:.3f} ± "
              f"{g['win_vs_sft_se']:.3f} (s.e. over prompts) against the SFT samples "
              f"({'beats' if g_ok else 'does NOT beat'} SFT by > 2 s.e.); DPO beats SFT by > 2 s.e. "
-             f"at {len(dpo_ok)} of {sum(1 for k in cells if k[0] == 0.0)} β values."]
+             f"in {len(dpo_ok)} of {sum(1 for k in cells if k[0] == 0.0)} DPO cells (β × steps)."]
     passed = g_ok and bool(dpo_ok)
     if not passed:
         lines.append("* **Failed pilot:** the preference training did not move the policies "
@@ -104,7 +121,8 @@ def reading(results, cells, mk, rr, passed):
     by_alpha = {}
     for (a, b), m in sorted(mk.items()):
         by_alpha.setdefault(a, []).append((b, m))
-    dpo_std = np.mean([c["win_vs_sft"][1] for (a, _), c in cells.items() if a == 0.0])
+    dpo_std = np.mean([c["win_vs_sft"][1] for (a, _, _), c in cells.items() if a == 0.0])
+    dpo_gold_std = np.mean([c["mean_gold"][1] for (a, _, _), c in cells.items() if a == 0.0])
     n_seeds = min(c["win_vs_sft"][2] for c in cells.values())
     for a, bms in by_alpha.items():
         per_beta = "; ".join(
@@ -112,7 +130,7 @@ def reading(results, cells, mk, rr, passed):
             f"at KL ≤ it ({m['status']})" for b, m in bms)
         st = [m["status"] for _, m in bms]
         above = [m["delta"] for _, m in bms if m["status"] == "above"]
-        noise = float(np.mean([cells[(a, b)]["win_vs_sft"][1] for b, _ in bms]) + dpo_std)
+        noise = float(np.mean([m["win_std"] for _, m in bms]) + dpo_std)
         if all(x == "dominated" for x in st):
             verdict = ("does not show here: at every β some DPO run wins at least as often at no "
                        "more KL")
@@ -131,6 +149,18 @@ def reading(results, cells, mk, rr, passed):
                 f"{st.count(x)} {x}" for x in ("above", "dominated", "unmatched")) + ")"
         lines.append(f"* **TGDPO α={a:g} vs DPO at matched KL.** {per_beta}. The paper's "
                      f"direction (TGDPO's frontier above DPO's) {verdict}.")
+        g_noise = float(np.mean([m["gold_std"] for _, m in bms]) + dpo_gold_std)
+        gst = [m["gold_status"] for _, m in bms]
+        resolved = [b for b, m in bms if m["gold_status"] == "above" and m["gold_delta"] > g_noise]
+        lines.append(
+            f"* **TGDPO α={a:g} vs DPO by mean gold** (no ceiling): " + "; ".join(
+                f"β={b:g}: {m['gold']:+.2f} vs DPO {m['dpo_gold']:+.2f} at KL {m['kl']:.1f} "
+                f"(Δ {m['gold_delta']:+.2f}, " + ("interpolated" if m["interpolated"] else
+                                                 f"nearest DPO point, KL gap {m['kl_gap']:+.1f}")
+                + f"; {m['gold_status']})" for b, m in bms) +
+            f". {len(resolved)} of {len(bms)} cells above DPO's gold frontier by more than the seed "
+            f"stds' sum ({g_noise:.2f}); " + ", ".join(f"{gst.count(x)} {x}" for x in
+                                                      ("above", "dominated", "unmatched")) + ".")
     if mk and max(m["win"] for m in mk.values()) > 0.97:
         lines.append("* **Ceiling.** Some cells win > 0.97 against SFT: the win rate saturates "
                      "there, so compare their mean gold (table below) as well.")
@@ -140,15 +170,16 @@ def reading(results, cells, mk, rr, passed):
     return lines
 
 
-def plot_frontiers(results, cells, path):
+def plot_frontiers(results, cells, steps, path):
+    """Win rate against KL per alpha (``steps``: the preset's; other step counts are labelled)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 4.2))
-    alphas = sorted({a for a, _ in cells})
+    alphas = sorted({k[0] for k in cells})
     colors = dict(zip(alphas, ["tab:blue", "tab:orange", "tab:red", "tab:green", "tab:purple"]))
     for a in alphas:
-        for (ca, b), c in cells.items():
+        for (ca, _, _), c in cells.items():
             if ca == a:
                 for n in c["runs"]:
                     ax.plot(results[n]["kl"], results[n]["win_vs_sft"], ".", color=colors[a],
@@ -156,9 +187,9 @@ def plot_frontiers(results, cells, path):
         pts = frontier(cells, a)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=colors[a],
                 label="DPO (α=0)" if a == 0.0 else f"TGDPO α={a:g}")
-        for kl, win, b in pts:
-            ax.annotate(f"β={b:g}", (kl, win), fontsize=7, xytext=(3, 3),
-                        textcoords="offset points")
+        for kl, win, b, n in pts:
+            ax.annotate(f"β={b:g}" + (f", {n} steps" if n != steps else ""), (kl, win),
+                        fontsize=7, xytext=(3, 3), textcoords="offset points")
     g, s = results["guidance"], results["sft"]
     ax.plot(g["kl"], g["win_vs_sft"], "s", color="tab:gray", label="guidance π_r")
     ax.plot(s["kl"], s["win_vs_sft"], "s", color="black", label="SFT")
@@ -199,39 +230,45 @@ def write_outputs(workdir, exp, preset, argv, tb, pairs, results, seconds, ta, r
           f"Every run: {t.steps} steps × {t.batch_size} pairs, lr {t.lr:g} (warmup "
           f"{t.warmup_steps}, cosine to 0), from the SFT start. Arms: α ∈ "
           f"{[float(a) for a in exp.alphas]} (α = 0 is DPO) × β ∈ {[float(b) for b in exp.betas]}"
+          + (f"; DPO also at {[int(n) for n in exp.dpo_steps]} steps per β (the KL sweep: DPO "
+             "points at the KL the TGDPO runs reach)" if exp.get("dpo_steps") else "") +
           f". Evaluation: {exp.eval_samples} samples per held-out prompt at T = "
           f"{exp.eval_temperature} against the {w['responses']['tgdpo_eval']} SFT reference "
           "samples of each prompt.", "", "## Reading", ""]
     md += gate_lines + reading(results, cells, mk, rr, passed)
     md += ["", "## Per (α, β) (mean ± std over seeds)", ""]
-    header = ["arm", "β", "runs", "win rate vs SFT", "mean gold", "KL (nats)",
+    header = ["arm", "β", "steps", "runs", "win rate vs SFT", "mean gold", "KL (nats)",
               "h2h vs DPO (same β)", "train acc", "val pair acc"]
-    body = [[c["arm"], f"{b:g}", c["win_vs_sft"][2], pm(*c["win_vs_sft"][:2]),
+    body = [[c["arm"], f"{b:g}", n, c["win_vs_sft"][2], pm(*c["win_vs_sft"][:2]),
              pm(*c["mean_gold"][:2]), pm(*c["kl"][:2], 2),
              pm(*c["h2h"][:2]) if "h2h" in c else "—", pm(*c["train_accuracy"][:2], 2),
-             pm(*c["eval_accuracy"][:2], 2)] for (a, b), c in cells.items()]
+             pm(*c["eval_accuracy"][:2], 2)] for (a, b, n), c in cells.items()]
     for n, label in (("guidance", "guidance π_r"), ("sft", "SFT (fresh samples)")):
         r = results[n]
-        body.append([label, f"{exp.beta:g}" if n == "guidance" else "—", 1,
+        body.append([label, f"{exp.beta:g}" if n == "guidance" else "—",
+                     r.get("steps", "—") if n == "guidance" else "—", 1,
                      f"{r['win_vs_sft']:.3f}", f"{r['mean_gold']:+.3f}", f"{r['kl']:.2f}", "—",
                      "—", "—"])
     md.append(markdown_table(header, body))
     md += ["## TGDPO vs DPO at matched KL", "",
-           "Means over seeds. \"DPO win at this KL\": DPO's (KL, win rate) points over β, linear "
-           "in KL, at the TGDPO cell's KL; outside DPO's KL range the nearest DPO point (KL gap "
-           "stated). \"DPO best at ≤ KL\": the best DPO cell whose KL is no larger. Status: "
+           "Means over seeds. \"DPO win at this KL\": DPO's frontier (the upper envelope of its "
+           "(KL, win rate) points over β and the step sweep: a longer run that degrades is not on "
+           "it), linear in KL, at the TGDPO cell's KL; outside the frontier's KL range its "
+           "nearest point (KL gap stated). \"DPO best at ≤ KL\": the best DPO cell whose KL is no larger. Status: "
            "dominated (a DPO cell wins at least as often at no more KL), above (inside DPO's KL "
            "range, above its interpolated win rate and not dominated), unmatched (beyond DPO's KL "
            "range and above every DPO cell of lower KL: a matched comparison needs DPO runs of "
-           "higher KL).", ""]
+           "higher KL). The gold columns: the same with mean gold in place of the win rate.", ""]
     md.append(markdown_table(
         ["arm", "β", "KL", "win vs SFT", "DPO win at this KL", "Δ", "how", "DPO best win at ≤ KL",
-         "(its KL)", "mean gold", "DPO best gold at ≤ KL", "status"],
+         "(its KL)", "status", "mean gold", "DPO gold at this KL", "Δ gold",
+         "DPO best gold at ≤ KL", "gold status"],
         [[f"TGDPO α={a:g}", f"{b:g}", f"{m['kl']:.2f}", f"{m['win']:.3f}", f"{m['dpo_win']:.3f}",
           f"{m['delta']:+.3f}", "interpolated" if m["interpolated"] else
           f"nearest DPO point (KL gap {m['kl_gap']:+.2f})", f"{m['dpo_best']:.3f}",
-          f"{m['dpo_best_kl']:.2f}", f"{m['gold']:+.2f}", f"{m['dpo_best_gold']:+.2f}",
-          m["status"]] for (a, b), m in sorted(mk.items())]))
+          f"{m['dpo_best_kl']:.2f}", m["status"], f"{m['gold']:+.2f}", f"{m['dpo_gold']:+.2f}",
+          f"{m['gold_delta']:+.2f}", f"{m['dpo_best_gold']:+.2f}", m["gold_status"]]
+         for (a, b), m in sorted(mk.items())]))
     md += ["## Guidance token rewards vs the true token rewards", "",
            f"r̂_t = β(log π_r − log π_ref)(y_t), β = {rr['beta']}, on {rr['n_tokens']} response "
            f"tokens of {rr['n_responses']} held-out SFT samples ({rr['frac_unknown_tokens']:.1%} "
@@ -262,14 +299,16 @@ def write_outputs(workdir, exp, preset, argv, tb, pairs, results, seconds, ta, r
            "included when the sample stopped). Plots: `win_rate_vs_kl.png` (the frontiers), "
            "`training_curves.png`."]
     write_atomic(os.path.join(workdir, "results.md"), "\n".join(md) + "\n")
-    plot_frontiers(results, cells, os.path.join(workdir, "win_rate_vs_kl.png"))
+    plot_frontiers(results, cells, int(exp.train.train.steps),
+                   os.path.join(workdir, "win_rate_vs_kl.png"))
     plot_curves(results, os.path.join(workdir, "training_curves.png"))
     return {"cells": cells, "matched_kl": mk, "passed": passed}
 
 
 def summary_lines(stats):
-    out = [f"  {c['arm']:14s} β={b:<5g} win vs SFT {pm(*c['win_vs_sft'][:2])}  KL "
-           f"{pm(*c['kl'][:2], 2)}" for (a, b), c in stats["cells"].items()]
+    out = [f"  {c['arm']:14s} β={b:<5g} {n:4d} steps  win vs SFT {pm(*c['win_vs_sft'][:2])}  "
+           f"gold {pm(*c['mean_gold'][:2], 2)}  KL {pm(*c['kl'][:2], 2)}"
+           for (a, b, n), c in stats["cells"].items()]
     out += [f"  TGDPO α={a:g} β={b:g}: win {m['win']:.3f} at KL {m['kl']:.2f}; DPO's best at "
             f"≤ KL {m['dpo_best']:.3f} ({m['status']})"
             for (a, b), m in sorted(stats["matched_kl"].items())]

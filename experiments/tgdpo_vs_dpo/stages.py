@@ -81,10 +81,11 @@ def _nonempty(groups):
 # ----------------------------------------------------------------------------- configs
 
 def run_config(exp, tb, pairs, seed, loss_type, alpha=0.0, guidance="", beta=None,
-               data_path=None):
+               data_path=None, steps=None):
     """``configs/dpo.py`` with the SFT policy's model and tokenizer and the preset's training;
-    ``beta`` (default ``exp.beta``) and ``data_path`` (default the train pairs) for the
-    additive presets' beta grid and the guidance policy's own pairs."""
+    ``beta`` (default ``exp.beta``), ``data_path`` (default the train pairs) and ``steps``
+    (default the preset's) for the additive presets' beta grid, the guidance policy's own pairs
+    and the DPO runs of the KL sweep."""
     from icml_jax.config_utils import load_config
     cfg = load_config("configs/dpo.py:default", unlocked=True)
     sft = tb["sft_config"]
@@ -101,39 +102,46 @@ def run_config(exp, tb, pairs, seed, loss_type, alpha=0.0, guidance="", beta=Non
             "loss.beta": float(exp.beta if beta is None else beta),
             "loss.tgdpo_alpha": float(alpha),
             "loss.guidance": guidance}
+    if steps is not None:  # the same schedule shape, stretched: trained and saved at its end
+        over.update({"train.steps": int(steps), "train.eval_every": int(steps),
+                     "train.checkpoint_every": int(steps)})
     cfg.update_from_flattened_dict(over)
     cfg.seed = int(seed)
     return cfg
 
 
 def plan(exp):
-    """[(run name, arm, alpha, seed, beta)]: the guidance run first, then DPO and TGDPO per seed
-    (the additive presets: per seed and beta of ``betas``, alpha = 0 being the DPO run)."""
+    """[(run name, arm, alpha, seed, beta, steps)]: the guidance run first, then DPO and TGDPO per
+    seed (the additive presets: per seed and beta of ``betas``, alpha = 0 being the DPO run, and
+    DPO again for every step count of ``dpo_steps``: the KL sweep that extends DPO's frontier to
+    the KL the TGDPO runs reach); steps None = the preset's ``train.steps``."""
     b0 = float(exp.beta)
-    runs = [("guidance", "guidance", 0.0, int(exp.guidance_seed), b0)]
+    runs = [("guidance", "guidance", 0.0, int(exp.guidance_seed), b0, None)]
     if "betas" in exp:
         for s in exp.seeds:
             for b in exp.betas:
                 for a in exp.alphas:
                     if float(a) == 0.0:
-                        runs.append((f"dpo_b{b:g}_s{s}", "DPO", 0.0, int(s), float(b)))
+                        runs.append((f"dpo_b{b:g}_s{s}", "DPO", 0.0, int(s), float(b), None))
                     else:
                         runs.append((f"tgdpo_a{a:g}_b{b:g}_s{s}", f"TGDPO α={a:g}", float(a),
-                                     int(s), float(b)))
+                                     int(s), float(b), None))
+                for n in exp.get("dpo_steps", ()):
+                    runs.append((f"dpo_b{b:g}_n{n}_s{s}", "DPO", 0.0, int(s), float(b), int(n)))
         return runs
     for s in exp.seeds:
-        runs.append((f"dpo_s{s}", "DPO", 0.0, int(s), b0))
+        runs.append((f"dpo_s{s}", "DPO", 0.0, int(s), b0, None))
         for a in exp.alphas:
-            runs.append((f"tgdpo_a{a:g}_s{s}", f"TGDPO α={a:g}", float(a), int(s), b0))
+            runs.append((f"tgdpo_a{a:g}_s{s}", f"TGDPO α={a:g}", float(a), int(s), b0, None))
     return runs
 
 
-def _config_of(exp, tb, pairs, workdir, name, arm, alpha, seed, beta):
+def _config_of(exp, tb, pairs, workdir, name, arm, alpha, seed, beta, steps):
     """The run config of one entry of ``plan``."""
     loss_type = loss_of(arm)
     guidance = os.path.join(workdir, "guidance") if loss_type == "tgdpo" else ""
     data_path = pairs["paths"].get("guidance") if name == "guidance" else None
-    return run_config(exp, tb, pairs, seed, loss_type, alpha, guidance, beta, data_path)
+    return run_config(exp, tb, pairs, seed, loss_type, alpha, guidance, beta, data_path, steps)
 
 
 def loss_of(arm):
@@ -144,8 +152,8 @@ def loss_of(arm):
 def planned_configs(exp, tb, pairs, workdir):
     """{run: {arm, alpha, seed, config (JSON dict)}} of every planned run (config.json)."""
     out = {}
-    for name, arm, alpha, seed, beta in plan(exp):
-        cfg = _config_of(exp, tb, pairs, workdir, name, arm, alpha, seed, beta)
+    for name, arm, alpha, seed, beta, steps in plan(exp):
+        cfg = _config_of(exp, tb, pairs, workdir, name, arm, alpha, seed, beta, steps)
         out[name] = {"arm": arm, "alpha": alpha, "seed": seed,
                      "config": json.loads(cfg.to_json_best_effort())}
         if "betas" in exp:
@@ -248,10 +256,10 @@ def run_all(exp, tb, pairs, workdir, log=print):
                      lambda: evaluate_policy(get_models(), get_models().ref_params, tb, exp))
     results["sft"] = {"arm": "SFT", "alpha": float("nan"), "seed": "", **sft_res}
     guidance_key = None
-    for name, arm, alpha, seed, beta in plan(exp):
+    for name, arm, alpha, seed, beta, steps in plan(exp):
         run_dir = os.path.join(workdir, name)
         loss_type = loss_of(arm)
-        cfg = _config_of(exp, tb, pairs, workdir, name, arm, alpha, seed, beta)
+        cfg = _config_of(exp, tb, pairs, workdir, name, arm, alpha, seed, beta, steps)
         key = {**base_key, "config": json.loads(cfg.to_json_best_effort()),
                "guidance": guidance_key if loss_type == "tgdpo" else None}
         if name == "guidance" and "guidance" in pairs["paths"]:
@@ -269,7 +277,8 @@ def run_all(exp, tb, pairs, workdir, log=print):
         if name == "guidance":
             guidance_key = digest(res["key"])
         results[name] = {"arm": arm, "alpha": alpha, "seed": seed,
-                         **({"beta": beta} if "betas" in exp else {}),
+                         **({"beta": beta, "steps": int(cfg.train.steps)} if "betas" in exp
+                            else {}),
                          **{k: v for k, v in res.items() if k != "key"}}
         log(f"[tgdpo_vs_dpo] {name}: win vs SFT {res['win_vs_sft']:.3f}, gold "
             f"{res['mean_gold']:+.3f}, KL {res['kl']:.2f}, train acc "

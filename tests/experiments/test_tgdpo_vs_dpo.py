@@ -163,7 +163,14 @@ def test_tgdpo_vs_dpo_additive_tiny_end_to_end(tmp_path, monkeypatch):
     assert cfg["pairs"]["guidance_prompts_in_train"] == 0
 
     rows = {r["run"]: r for r in csv.DictReader(open(os.path.join(wd, "results.csv")))}
-    assert set(rows) == {"sft", "guidance", "dpo_b0.1_s0", "tgdpo_a1_b0.1_s0"}
+    assert set(rows) == {"sft", "guidance", "dpo_b0.1_s0", "tgdpo_a1_b0.1_s0", "dpo_b0.1_n16_s0"}
+    # the KL sweep: DPO again at dpo_steps, the same run otherwise
+    sweep = runs["dpo_b0.1_n16_s0"]["config"]
+    assert sweep["train"]["steps"] == 16 and sweep["train"]["checkpoint_every"] == 16
+    assert {k: v for k, v in sweep["train"].items() if k not in ("steps", "eval_every",
+                                                                   "checkpoint_every")} == {
+        k: v for k, v in runs["dpo_b0.1_s0"]["config"]["train"].items()
+        if k not in ("steps", "eval_every", "checkpoint_every")}
     for name, r in rows.items():
         assert 0.0 <= float(r["win_vs_sft"]) <= 1.0 and math.isfinite(float(r["kl"])), name
     assert float(rows["sft"]["kl"]) == pytest.approx(0.0, abs=1e-4)
@@ -182,7 +189,7 @@ def test_tgdpo_vs_dpo_additive_tiny_end_to_end(tmp_path, monkeypatch):
     assert rr["n_tokens"] == len(text.encode()) and rr["r_hat"]["max"] > rr["r_hat"]["min"]
     md = open(os.path.join(wd, "results.md")).read()
     for s in ("## Reading", "Pilot gate", "## TGDPO vs DPO at matched KL", "Spearman",
-              "DISJOINT", "| TGDPO α=1 | 0.1 |"):
+              "DISJOINT", "| TGDPO α=1 | 0.1 |", "| DPO | 0.1 | 16 |", "gold status"):
         assert s in md, s
     for name in ("win_rate_vs_kl.png", "training_curves.png"):
         with open(os.path.join(wd, name), "rb") as f:
@@ -199,3 +206,24 @@ def test_tgdpo_vs_dpo_additive_tiny_end_to_end(tmp_path, monkeypatch):
     assert {p: os.path.getmtime(p) for p in watched} == stamps
     assert results["dpo_b0.1_s0"]["kl"] == pytest.approx(float(rows["dpo_b0.1_s0"]["kl"]),
                                                          abs=1e-4)
+
+
+def test_matched_kl_uses_every_dpo_cell_and_gold():
+    # DPO at (KL 8, win 0.8, gold 9) and, from the step sweep, (KL 14, 0.9, 12) and a degraded
+    # (KL 12, 0.5, 3) that is not on DPO's frontier; TGDPO at KL 11 is interpolated on the
+    # frontier (win 0.85, gold 10.5), TGDPO at KL 16 lies beyond it
+    from experiments.tgdpo_vs_dpo.report_additive import matched_kl
+    c = lambda kl, win, gold: {"kl": (kl, 0.1, 3), "win_vs_sft": (win, 0.01, 3),
+                               "mean_gold": (gold, 0.2, 3)}
+    cells = {(0.0, 0.1, 60): c(8.0, 0.8, 9.0), (0.0, 0.1, 120): c(14.0, 0.9, 12.0),
+             (0.0, 0.05, 240): c(12.0, 0.5, 3.0),
+             (1.0, 0.1, 60): c(11.0, 0.9, 12.0), (1.0, 0.3, 60): c(16.0, 0.85, 13.0)}
+    mk = matched_kl(cells)
+    assert set(mk) == {(1.0, 0.1), (1.0, 0.3)}
+    m = mk[(1.0, 0.1)]
+    assert m["interpolated"] and m["dpo_win"] == pytest.approx(0.85) and m["status"] == "above"
+    assert m["dpo_gold"] == pytest.approx(10.5) and m["gold_status"] == "above"
+    far = mk[(1.0, 0.3)]
+    assert not far["interpolated"] and far["kl_gap"] == pytest.approx(2.0)
+    assert far["status"] == "dominated" and far["dpo_best_kl"] == 14.0  # DPO won 0.9 at KL 14
+    assert far["gold_status"] == "unmatched" and far["dpo_best_gold"] == 12.0
