@@ -25,7 +25,11 @@ def presets() -> dict:
             min_gap=0.0, bon_draws=64, arm_seeds={"bsr_1e-2": (0,)},
             # lr probe (bt, seed 0, val_in accuracy; measured once, not rerun): 100 steps at
             # 1e-3 -> 0.509, 80 steps at 3e-3 -> 0.527. CPU time allows ~150 steps per run.
-            train=dict(train=dict(steps=150, batch_size=16, lr=3e-3, warmup_steps=10)),
+            # The reward is read at the response's last token: the SFT backbone (trained on packed
+            # LM rows) has seen eos only as a target, so its state at the appended eos hardly
+            # depends on the response (both arms sat at chance reading it there)
+            train=dict(train=dict(steps=150, batch_size=16, lr=3e-3, warmup_steps=10),
+                       loss=dict(reward_position="last_response_token")),
         ),
         # the token-additive gold world (icml_jax/data/additive_gold.py): exact gold, a reward
         # model trained from scratch (configs/reward_model.py:tiny's decoder, no SFT backbone),

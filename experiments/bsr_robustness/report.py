@@ -216,6 +216,10 @@ def write_results_md(wd: str, *, preset_name: str, cmd: str, exp, arms, seeds, t
                 f"`{exp.model}`) trained from scratch with its scalar head" if additive else
                 f"the SFT policy's decoder ({model['num_layers']} layers, d={model['d_model']}, "
                 "byte tokens) + a fresh scalar head")
+    position = exp.train.get("loss", {}).get("reward_position", "last")
+    backbone += ("; the reward is read at the response's last token (`loss.reward_position="
+                 "last_response_token`)" if position == "last_response_token" else
+                 "; the reward is read at the appended eos (`loss.reward_position=last`)")
     md = [f"# BT vs BT+BSR reward models: robustness on the "
           f"{'token-additive gold world' if additive else 'VADER-gold testbed'} ({preset_name})\n",
           f"Command: `{cmd}` · seeds {list(seeds)}{extra} · commit {git_commit()} · " +

@@ -116,7 +116,9 @@ def test_saved_experiment_is_the_plain_dict_the_presets_were_saved_as():
     default = {"testbed": preference_testbed.DEFAULT, "seeds": [0, 1], "arms": ["bt", "bsr"],
                "pair_rule": "all", "min_gap": 0.0, "bon_draws": 64, "arm_seeds": {"bsr_1e-2": [0]},
                "train": {"train.steps": 150, "train.batch_size": 16, "train.lr": 3e-3,
-                         "train.warmup_steps": 10}}
+                         "train.warmup_steps": 10,
+                         # the reward read where the SFT backbone has looked (issue 17)
+                         "loss.reward_position": "last_response_token"}}
     assert saved_experiment(presets()["default"]) == json.loads(json.dumps(default))
     exp = presets()["tiny"]  # --seeds empties arm_seeds
     exp.seeds, exp.arm_seeds, exp.train.train.steps = (3, 4), {}, 7
