@@ -2,8 +2,10 @@
 
   python -m experiments.implicit_prm --workdir=DIR [--preset=tiny|default|easy]
 
-Steps (every stage is cached under DIR with a key of everything it depends on, so a rerun with the
-same settings recomputes nothing and a killed run resumes):
+Steps, per seed of the preset's ``seeds`` (default: its ``seed``; one seed works in DIR, several
+in DIR/seed_<s>, each with its own problems, generator, samples and PRMs). Every stage is cached
+under that folder with a key of everything it depends on, so a rerun with the same settings
+recomputes nothing and a killed run resumes:
 
 1. **Problems and generator.** ``icml_jax.data.arithmetic.make_splits`` (the preset's knobs) gives
    the generator's corpus problems (train split) and the held-out test problems. The generator is
@@ -17,7 +19,11 @@ same settings recomputes nothing and a killed run resumes):
    with its i-th incorrect sample (min(#correct, #incorrect) pairs).
 3. **Implicit PRMs**, initialised from the generator (= the frozen reference): CE
    (``configs/implicit_prm.py``, beta = 0.05) per M, and DPO (``configs/dpo.py``, sigmoid,
-   beta = 0.05) on the pairs of all ``responses`` samples, in ``DIR/prm_<name>``.
+   beta = 0.05) on the pairs of all ``responses`` samples, in ``DIR/prm_<name>``. The upper
+   bound: a **step-label PRM** (``configs/step_prm.py``, TRL's PRMTrainer recipe) on the same
+   samples with the checker's step labels (``DIR/steps.jsonl``; the last step also needs the
+   right answer), from the generator with the CE schedule, in ``DIR/prm_steps``; the only stage
+   that sees a step label.
 4. **Evaluation samples.** ``eval_samples`` samples (T = 1.0) per held-out problem; the checker
    gives the answer, its correctness and the true first error (evaluation only).
 5. **Scoring.** Per response and PRM: token log-ratios l_t = log pi_PRM - log pi_gen from the first
@@ -26,10 +32,12 @@ same settings recomputes nothing and a killed run resumes):
    (the reference's default: single/min), ``min q_k`` and ``sum q_k`` (accumulative),
    ``q_K = sum r_k`` (outcome only: the implicit ORM's reward), and weighted majority voting
    with sigma(kappa * min r_k) for kappa = beta (the training scale) and the reference's 0.001.
+   The step-label PRM: ``min p_k`` and ``prod p_k`` of its per-step probabilities.
    Baselines: random pick (the expected accuracy of a uniform pick = mean correctness of the n),
    majority vote over the answers, the generator's own log-prob, and pass@n (an oracle, an upper
    bound). Best-of-N over each problem's first n samples (``best_of_n``), averaged over
-   ``orders`` random orders of the 32 samples (the same orders for every selector).
+   ``orders`` random orders of the 32 samples (the same orders for every selector); the mean
+   length (bytes) of the response each selector picks, beside.
 6. **First-error detection** (ProcessBench rule, ``predict_first_error``): first k with
    sigma(beta * q_k) < tau; tau chosen (grid of 1001 values) on the eval responses of the
    even-indexed test problems, F1 (harmonic mean of the accuracy on erroneous and on error-free
@@ -37,8 +45,8 @@ same settings recomputes nothing and a killed run resumes):
    every sigma is within 0.01 of 0.5 for these short responses and the 0.01 tau grid cannot
    separate them.
 
-Writes DIR/config.json, DIR/results.csv (one row per selector and N), DIR/results.md, DIR/best_of_n.png,
-DIR/first_error_f1.png.
+Writes DIR/config.json, DIR/results.csv (one row per selector, N and seed), DIR/results.md (cells:
+mean ± s.e. over the seeds when there are several), DIR/best_of_n.png, DIR/first_error_f1.png.
 """
 import argparse
 import os
@@ -50,14 +58,15 @@ import numpy as np
 from experiments.common import digest, stopwatch, write_json
 from experiments.implicit_prm import stages
 from experiments.implicit_prm.presets import PRESETS, record
-from experiments.implicit_prm.report import (best_of_n_table, first_error_table, run_info,
-                                             write_outputs)
+from experiments.implicit_prm.report import (best_of_n_table, first_error_table, means, per_seed,
+                                             run_info, write_outputs)
 from experiments.implicit_prm.stages import problems  # noqa: F401  (notebooks/implicit_prm_quickstart)
 from icml_jax import xla_env
 
 
 def run(exp, workdir, timing):
-    """Every stage in order (each cached under ``workdir``); returns (table, fe, prm_names, info)."""
+    """Every stage of one seed in order (each cached under ``workdir``); returns {"table",
+    "lengths", "ranking", "first_error", "prm_names", "info"}."""
     from icml_jax.data import arithmetic as ar
     from icml_jax.data.tokenizers import build_tokenizer
     elapsed = stopwatch()
@@ -75,6 +84,8 @@ def run(exp, workdir, timing):
     labels = stages.label_train(prm_problems, groups)
     timing["sample_train"] = elapsed()
     paths, n_pairs = stages.prm_datasets(exp, workdir, prompts, groups, labels)
+    if exp.get("step_prm", True):  # the upper bound: the same samples with the checker's step labels
+        paths["steps"] = stages.step_dataset(workdir, prm_problems, prompts, groups)
     tok = build_tokenizer(ml_collections.ConfigDict(gen["key"]["config"]["data"]["tokenizer"]))
     seq_len = stages.seq_len_for(exp, tok, prompts + [ar.prompt_text(p) for p in test])
     elapsed = stopwatch()
@@ -94,11 +105,23 @@ def run(exp, workdir, timing):
                             prm_info, prm_dirs)
     timing["score"] = elapsed()
     M = np.array(sc["step_mask"], np.int32)
-    prm_scores = [(n, np.array(sc["q_raw"][n]), M) for n in prm_names]
-    table = best_of_n_table(exp, test, ev, prm_scores, np.array(sc["ref_sum"]))
-    fe = first_error_table(exp, ev, prm_scores)
+    implicit = [n for n in prm_names if n != stages.STEP_PRM]
+    prm_scores = [(n, np.array(sc["q_raw"][n]), M) for n in implicit]
+    step_scores = [(n, np.array(sc["step_logit"][n]), M) for n in sc["step_logit"]]
+    table, lengths, diag = best_of_n_table(exp, test, ev, prm_scores, np.array(sc["ref_sum"]),
+                                           step_scores, np.array(sc["length"]))
+    fe = first_error_table(exp, ev, prm_scores, step_scores)
     info = run_info(gen_dir, gen, labels, n_pairs, ev, prm_info, prm_cfgs, seq_len, paths)
-    return table, fe, prm_names, info
+    info["length"] = {"correct": float(np.mean([x for x, c in zip(sc["length"], _flat(ev)) if c]
+                                               or [np.nan])),
+                      "wrong": float(np.mean([x for x, c in zip(sc["length"], _flat(ev)) if not c]
+                                             or [np.nan]))}
+    return {"table": table, "lengths": lengths, "ranking": diag, "first_error": fe,
+            "prm_names": prm_names, "info": info}
+
+
+def _flat(ev):
+    return [c for e in ev for c in e["correct"]]
 
 
 def main(argv=None):
@@ -111,22 +134,34 @@ def main(argv=None):
     elapsed = stopwatch()
     exp = PRESETS[a.preset].copy_and_resolve_references()  # a copy: the run never edits PRESETS
     os.makedirs(a.workdir, exist_ok=True)
-    timing = {}
-    table, fe, prm_names, info = run(exp, a.workdir, timing)
+    seeds = [int(s) for s in exp.get("seeds", (exp.seed,))]
+    runs, timing = {}, {}
+    for seed in seeds:  # one seed: its stages in DIR; several: in DIR/seed_<s>
+        e = exp.copy_and_resolve_references()
+        e.seed = seed
+        wd = a.workdir if len(seeds) == 1 else os.path.join(a.workdir, f"seed_{seed}")
+        os.makedirs(wd, exist_ok=True)
+        t = timing if len(seeds) == 1 else timing.setdefault(f"seed_{seed}", {})
+        runs[seed] = run(e, wd, t)
     seconds = elapsed()
     timing["total"] = seconds
+    info = runs[seeds[0]]["info"] if len(seeds) == 1 else {
+        f"seed_{s}": r["info"] for s, r in runs.items()}
     # "experiment": the preset as config.json has always held it (flat train.* keys, its order)
     write_json(os.path.join(a.workdir, "config.json"),
                {"preset": a.preset, "experiment": record(exp), "info": info, "timing": timing})
-    write_outputs(a.workdir, exp, a.preset, argv, info, table, fe, prm_names, seconds)
-    stages.log(f"done in {seconds:.1f} s ({', '.join(f'{k} {v:.0f}s' for k, v in timing.items())}); "
-               f"results in {a.workdir}/results.md")
+    write_outputs(a.workdir, exp, a.preset, argv, runs, seconds)
+    stages.log(f"done in {seconds:.1f} s; results in {a.workdir}/results.md")
+    table = means(per_seed(runs, "table"))
+    fe = means(per_seed(runs, "first_error"))
+    prm_names = runs[seeds[0]]["prm_names"]
     ns = sorted(table["random pick"])
     for s, res in table.items():
         stages.log(f"  {s:45s} " + " ".join(f"{res[n]:.3f}" for n in ns))
     for n in prm_names:
         stages.log(f"  first-error F1 {n}: {fe[n]['f1']:.3f}")
-    return {"table": table, "first_error": fe, "prm_names": prm_names, "info": info}
+    return {"table": table, "first_error": fe, "prm_names": prm_names, "info": info,
+            "runs": runs}
 
 
 if __name__ == "__main__":

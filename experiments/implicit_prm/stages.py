@@ -150,6 +150,35 @@ def prm_datasets(exp, workdir, prompts, groups, labels):
     return paths, len(pairs)
 
 
+def response_steps(response):
+    """The response's step texts (``step_char_spans``: they tile it, so their concatenation is the
+    response and a step's last token is where ``step_end_token_indices`` puts it)."""
+    from icml_jax.data import arithmetic as ar
+    return [response[a:b] for a, b in ar.step_char_spans(response)]
+
+
+def step_labels(problem, response):
+    """The checker's per-step labels of a response, the last step also needing the right answer
+    (its ``Answer:`` line is in the last step): the supervision only the step-label PRM gets."""
+    from icml_jax.data import arithmetic as ar
+    c = ar.check_solution(problem, response)
+    labels = list(c.step_labels)
+    if labels:
+        labels[-1] = labels[-1] and bool(c.answer_correct)
+    return labels
+
+
+def step_dataset(workdir, problems_, prompts, groups):
+    """``DIR/steps.jsonl`` for the step-label PRM (the upper bound): every sampled training
+    response, in TRL's stepwise format with the checker's step labels (``step_labels``)."""
+    from icml_jax.data.preference import write_stepwise_jsonl
+    rows = [{"prompt": p, "completions": response_steps(r), "labels": step_labels(pb, r)}
+            for pb, p, g in zip(problems_, prompts, groups) for r in g if r]
+    path = os.path.join(workdir, "steps.jsonl")
+    write_stepwise_jsonl(path, rows)
+    return path
+
+
 def seq_len_for(exp, tok, prompts):
     longest = 1 + max(len(tok.encode(p)) for p in prompts) + int(exp["max_new_tokens"]) + 1
     return round_up(longest, 8)
@@ -158,9 +187,12 @@ def seq_len_for(exp, tok, prompts):
 def prm_config(exp, name, path, gen_dir, gen_cfg, seq_len, n_rows):
     from icml_jax.config_utils import load_config
     is_dpo = name == "dpo"
-    cfg = load_config("configs/dpo.py:default" if is_dpo else "configs/implicit_prm.py:default",
-                      unlocked=True)
+    base = {"dpo": "configs/dpo.py", "steps": "configs/step_prm.py"}.get(name,
+                                                                        "configs/implicit_prm.py")
+    cfg = load_config(base + ":default", unlocked=True)
     t = run_overrides(exp["prm"])
+    if name == "steps" and exp.get("step_prm"):
+        t.update(run_overrides(exp["step_prm"]))
     if is_dpo:
         t["train.steps"] = int(exp["dpo_steps"])
         t["train.eval_every"] = int(exp["dpo_steps"])
@@ -171,7 +203,11 @@ def prm_config(exp, name, path, gen_dir, gen_cfg, seq_len, n_rows):
             "train.min_lr_ratio": 0.0, "train.weight_decay": 0.0,
             "train.eval_batches": max(1, min(int(t["train.eval_batches"]), -(-n_rows // bs))),
             "data.seq_len": int(seq_len), "data.path": path, "data.eval_path": "",
-            "train.init_from": gen_dir, "loss.beta": float(exp["beta"])}
+            "train.init_from": gen_dir}
+    if name == "steps":  # steps tile the response: no separator, the label on a step's last token
+        over.update({"steps.separator": "", "steps.max_steps": STEP_PRM_MAX_STEPS})
+    else:
+        over["loss.beta"] = float(exp["beta"])
     if is_dpo:
         over["loss.type"] = "sigmoid"
     cfg.update_from_flattened_dict(over)
@@ -179,11 +215,18 @@ def prm_config(exp, name, path, gen_dir, gen_cfg, seq_len, n_rows):
     return cfg
 
 
+STEP_PRM = "step-label PRM"
+STEP_PRM_MAX_STEPS = 8  # labelled steps per training response (a sample may write extra steps)
+
+
 def prm_names_and_files(exp, paths):
-    """The PRMs to train (``CE M=<m>`` per M, ``DPO`` when there are pairs) -> data file stem."""
+    """The PRMs to train (``CE M=<m>`` per M, ``DPO`` when there are pairs, the step-label PRM
+    when the step data was written) -> data file stem."""
     names = {f"CE M={m}": f"ce_m{m}" for m in exp["ce_responses"]}
     if "dpo" in paths:
         names["DPO"] = "dpo"
+    if "steps" in paths:
+        names[STEP_PRM] = "steps"
     return names
 
 
@@ -246,14 +289,44 @@ def raw_prefix_sums(lp, ref, rows, fi, E, M):
     return np.asarray(ip.prefix_values(lr, E, M, 1.0))
 
 
+def step_logits(model_cfg, tok, workdir, prompts, responses, seq_len, K, batch_size):
+    """[B, K] the step-label PRM's logit of "this step is correct" (class 1 minus class 0, so
+    sigma of it is the step's probability) at every step end; 0 at padding steps."""
+    import jax
+    import numpy as np
+
+    from icml_jax.data.preference import encode_steps
+    from icml_jax.models.reward import build_step_classifier
+    from icml_jax.tasks.pairs import batched_apply
+    from icml_jax.train.checkpoint import restore_module_params
+    model = build_step_classifier(model_cfg)
+    z = np.zeros((1, 8), np.int32)
+    params, _ = restore_module_params(workdir, model, z, z, z + 1, np.zeros((1, K), np.int32))
+    rows = []
+    for p, r in zip(prompts, responses):
+        steps = response_steps(r)
+        rows.append({"prompt": p, "completions": steps, "labels": [False] * len(steps)})
+    arrays, _ = encode_steps(rows, tok, seq_len, max_steps=K, separator="")
+
+    @jax.jit
+    def fn(b):
+        lg = model.apply({"params": params}, b["inputs"], b["positions"], b["segment_ids"],
+                         b["step_end"])
+        return lg[..., 1] - lg[..., 0]
+    keys = ("inputs", "positions", "segment_ids", "step_end")
+    out = batched_apply(fn, {k: arrays[k] for k in keys}, batch_size)
+    return out * arrays["step_mask"], arrays["step_end"], arrays["step_mask"]
+
+
 def score_stage(exp, workdir, policy, eval_prompts, groups, seq_len, prm_names, prm_info,
                 prm_dirs):
     """``DIR/scores_eval.json`` (cached): per eval response its generator log-prob
-    (``ref_sum``), step mask and, per PRM, the raw prefix sums q_k / kappa (``q_raw``)."""
+    (``ref_sum``), step mask, length in bytes, per implicit PRM the raw prefix sums q_k / kappa
+    (``q_raw``) and, for the step-label PRM, its per-step logits (``step_logit``)."""
     import numpy as np
     flat_p = [p for p, g in zip(eval_prompts, groups) for _ in g]
     flat_r = [r for g in groups for r in g]
-    key = {"samples": digest(groups), "seq_len": seq_len, "version": 1,
+    key = {"samples": digest(groups), "seq_len": seq_len, "version": 2,
            "prms": {n: prm_info[n]["digest"] for n in prm_names}}
 
     def compute():
@@ -262,8 +335,17 @@ def score_stage(exp, workdir, policy, eval_prompts, groups, seq_len, prm_names, 
         bs = int(exp["sample_batch"])
         ref = logps(mdl, mdl.ref_params, rows, bs)
         out = {"ref_sum": np.sum(ref * (rows["response_mask"] > 0), 1).tolist(),
-               "step_mask": M.tolist(), "q_raw": {}}
+               "step_mask": M.tolist(), "length": [len(r.encode()) for r in flat_r],
+               "q_raw": {}, "step_logit": {}}
         for n in prm_names:
+            if n == STEP_PRM:
+                lg, ends, mask = step_logits(mdl.model_cfg, mdl.tok, prm_dirs[n], flat_p, flat_r,
+                                             seq_len, E.shape[1], bs)
+                if not (np.array_equal(mask, M) and np.array_equal(ends * mask, E * M)):
+                    raise RuntimeError("the step-label PRM's step ends differ from "
+                                       "step_end_token_indices'")
+                out["step_logit"][n] = lg.tolist()
+                continue
             lp = logps(mdl, mdl.params_of(prm_dirs[n]), rows, bs)
             out["q_raw"][n] = raw_prefix_sums(lp, ref, rows, fi, E, M).tolist()
         return out

@@ -2,6 +2,7 @@
 arrays after the scores are computed (``icml_jax.losses.implicit_prm.score``):
 
   best_of_n            accuracy of the top-scored of each problem's first n responses
+  best_of_n_picks      which response that is (e.g. to average the picks' lengths)
   weighted_majority    weighted majority voting over the answers of the first n responses
   predict_first_error  ProcessBench's first-error rule at a threshold tau on sigma(q_k)
   first_error_scores   ProcessBench's accuracies on erroneous / error-free solutions and their f1
@@ -12,18 +13,22 @@ Axis letters: G problems, N responses per problem, B solutions, K steps.
 import numpy as np
 
 
-def best_of_n(scores_GN: np.ndarray, correct_GN: np.ndarray, ns) -> dict:
-    """Accuracy of the top-scored response among each problem's FIRST n responses, per n.
+def best_of_n_picks(scores_GN: np.ndarray, ns) -> dict:
+    """Per n, the index [G] of the top-scored response among each problem's FIRST n responses.
 
     The reference ranks "the top-n by generator log-prob" but sets every log-prob to 0 before a
     stable sort, so as executed it takes the first n samples; ties go to the earliest response
-    (its stable descending sort). Returns {n: accuracy}."""
-    s, c = np.asarray(scores_GN, np.float64), np.asarray(correct_GN, bool)
-    out = {}
-    for n in ns:
-        pick = np.argmax(s[:, :n], axis=1)  # first maximum = stable sort's first element
-        out[int(n)] = float(np.mean(c[np.arange(len(c)), pick]))
-    return out
+    (its stable descending sort). Returns {n: int array [G]}."""
+    s = np.asarray(scores_GN, np.float64)
+    return {int(n): np.argmax(s[:, :n], axis=1) for n in ns}  # first maximum = stable sort's first
+
+
+def best_of_n(scores_GN: np.ndarray, correct_GN: np.ndarray, ns) -> dict:
+    """Accuracy of the top-scored response among each problem's first n responses
+    (``best_of_n_picks``), per n. Returns {n: accuracy}."""
+    c = np.asarray(correct_GN, bool)
+    return {n: float(np.mean(c[np.arange(len(c)), pick]))
+            for n, pick in best_of_n_picks(scores_GN, ns).items()}
 
 
 def weighted_majority(answers_GN, scores_GN, reference_G, ns, *, sigmoid: bool = True) -> dict:

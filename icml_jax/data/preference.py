@@ -343,6 +343,13 @@ def write_unpaired_jsonl(path: str, rows: Sequence[Mapping[str, Any]]) -> None:
                 {"prompt": str, "completion": str, "label": bool})
 
 
+def write_stepwise_jsonl(path: str, rows: Sequence[Mapping[str, Any]]) -> None:
+    """Writes TRL's stepwise rows ``{"prompt", "completions": [steps], "labels": [bools]}``
+    atomically, each checked by the rules ``read_stepwise_jsonl`` applies (errors name the row)."""
+    checked = [_check_stepwise(r, f"{path}: row {i}") for i, r in enumerate(rows)]
+    _write_rows(path, checked, {"prompt": str, "completions": list, "labels": list})
+
+
 def _write_rows(path: str, rows: Sequence[Mapping[str, Any]], fields: Mapping[str, type]) -> None:
     lines = []
     for i, row in enumerate(rows):
@@ -350,7 +357,7 @@ def _write_rows(path: str, rows: Sequence[Mapping[str, Any]], fields: Mapping[st
             if not isinstance(row.get(field), kind):
                 raise PreferenceDataError(
                     f"{path}: row {i}: field {field!r} must be a "
-                    f"{ {str: 'string', bool: 'boolean'}[kind]}, got "
+                    f"{ {str: 'string', bool: 'boolean', list: 'list'}[kind]}, got "
                     f"{_describe(row.get(field))}; every written row needs {sorted(fields)}.")
         out = {k: row[k] for k in fields}
         out.update({k: _json_value(v) for k, v in row.items() if k not in out})

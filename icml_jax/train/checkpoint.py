@@ -371,13 +371,20 @@ def _saved_task(step_dir: str) -> str | None:
 def restore_model_params(workdir: str, model_cfg):
     """``restore_params`` for a decoder of ``model_cfg`` (e.g. an SFT or DPO policy) onto this
     process's first device -> (params, step)."""
-    import flax.linen as nn  # pylint: disable=g-import-not-at-top
-
     from icml_jax.models.decoder import build_model  # pylint: disable=g-import-not-at-top
 
     tokens = jax.numpy.zeros((1, 8), jax.numpy.int32)
+    return restore_module_params(workdir, build_model(model_cfg), tokens)
+
+
+def restore_module_params(workdir: str, module, *example_args):
+    """``restore_params`` for the params of the flax ``module`` (their layout: what
+    ``module.init(key, *example_args)`` makes; e.g. a ``StepClassifier`` or ``RewardModel``) onto
+    this process's first device -> (params, step)."""
+    import flax.linen as nn  # pylint: disable=g-import-not-at-top
+
     abstract = nn.meta.unbox(jax.eval_shape(
-        lambda: build_model(model_cfg).init(jax.random.key(0), tokens))["params"])
+        lambda: module.init(jax.random.key(0), *example_args))["params"])
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
                             abstract)
