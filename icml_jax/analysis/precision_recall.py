@@ -27,6 +27,10 @@ Estimated, for samples in an embedding space (Le Bronnec et al., ACL 2024; Kynka
 point's k-NN ball, recall = the share of reference points inside some generated point's k-NN ball,
 after an optional PCA (fit on the reference set). k and the PCA dimension are arguments: the paper's
 values are unknown (docs/methods/precision_recall.md), so record them with every result.
+``AUTHORS_PROTOCOL`` holds the settings of the group's public text evaluation (``AlexVerine/
+pr-4-llm``, read 2026-12-02): rows L2-normalised, PCA fitted on both sets together and kept to 90%
+of the explained variance, k = 4, strict "<" for a ball's inside — pass it as
+``knn_precision_recall(ref, gen, **AUTHORS_PROTOCOL)``.
 """
 from __future__ import annotations
 
@@ -134,13 +138,20 @@ def threshold_recall(p_N, q_N, eps: float = 0.1) -> float:
 # k-NN precision / recall on embeddings
 
 
-def pca_project(x_ME, fit_ME, dim: int) -> np.ndarray:
-    """Projects ``x`` on the top ``dim`` principal directions of ``fit`` (centred on fit's mean)."""
+def pca_project(x_ME, fit_ME, dim: int | None = None, *, variance: float | None = None):
+    """Projects ``x`` on the top principal directions of ``fit`` (centred on fit's mean): ``dim``
+    of them, or (``variance`` in (0, 1]) the fewest whose explained variance reaches that share."""
     fit = np.asarray(fit_ME, dtype=np.float64)
-    if not 1 <= dim <= fit.shape[1]:
-        raise ValueError(f"pca_dim must be in [1, {fit.shape[1]}], got {dim}")
     mu = fit.mean(0)
-    _, _, vt = np.linalg.svd(fit - mu, full_matrices=False)
+    _, sv, vt = np.linalg.svd(fit - mu, full_matrices=False)
+    if variance is not None:
+        if dim is not None or not 0.0 < variance <= 1.0:
+            raise ValueError(f"pca_variance must be in (0, 1] and excludes pca_dim, got "
+                             f"pca_variance={variance}, pca_dim={dim}")
+        share = np.cumsum(sv ** 2) / max(float(np.sum(sv ** 2)), 1e-300)
+        dim = int(min(np.searchsorted(share, variance - 1e-12) + 1, len(sv)))
+    if dim is None or not 1 <= dim <= fit.shape[1]:
+        raise ValueError(f"pca_dim must be in [1, {fit.shape[1]}], got {dim}")
     return (np.asarray(x_ME, dtype=np.float64) - mu) @ vt[:dim].T
 
 
@@ -155,16 +166,26 @@ def _knn_radii(x, k):
     return np.sqrt(np.sort(d, axis=1)[:, k])
 
 
-def _coverage(points, centres, radii):
-    """Share of ``points`` within distance radii[j] of some centres[j]."""
+def _coverage(points, centres, radii, strict=False):
+    """Share of ``points`` within distance radii[j] of some centres[j] (``strict``: closer than
+    it; else within it, with a float tolerance)."""
     d = np.sqrt(_sq_dists(points, centres))
-    return float(np.mean((d <= radii[None, :] * (1 + 1e-9) + 1e-12).any(1)))
+    inside = d < radii[None, :] if strict else d <= radii[None, :] * (1 + 1e-9) + 1e-12
+    return float(np.mean(inside.any(1)))
+
+
+AUTHORS_PROTOCOL = {"k": 4, "normalize": True, "pca_fit": "both", "pca_variance": 0.9,
+                    "strict": True}
 
 
 def knn_precision_recall(reference_ME, generated_GE, *, k: int = 3,
-                         pca_dim: int | None = None) -> dict:
-    """{"precision", "recall", "k", "pca_dim"} (module docstring). Needs more than k points in
-    each set."""
+                         pca_dim: int | None = None, normalize: bool = False,
+                         pca_fit: str = "reference", pca_variance: float | None = None,
+                         strict: bool = False) -> dict:
+    """{"precision", "recall", "k", "pca_dim", "normalize", "pca_fit", "strict"} (module
+    docstring). ``normalize``: L2-normalise every row first; PCA (``pca_dim`` directions, or the
+    fewest reaching ``pca_variance`` of the variance) fitted on ``pca_fit`` = "reference" or
+    "both" sets; ``strict``: a ball's inside is d < radius. Needs more than k points in each set."""
     ref = np.asarray(reference_ME, dtype=np.float64)
     gen = np.asarray(generated_GE, dtype=np.float64)
     if ref.ndim != 2 or gen.ndim != 2 or ref.shape[1] != gen.shape[1]:
@@ -173,8 +194,16 @@ def knn_precision_recall(reference_ME, generated_GE, *, k: int = 3,
     if not 1 <= k < min(len(ref), len(gen)):
         raise ValueError(f"k must be in [1, min(M, G) - 1] = [1, {min(len(ref), len(gen)) - 1}], "
                          f"got {k}")
-    if pca_dim:
-        ref, gen = pca_project(ref, ref, pca_dim), pca_project(gen, ref, pca_dim)
-    return {"precision": _coverage(gen, ref, _knn_radii(ref, k)),
-            "recall": _coverage(ref, gen, _knn_radii(gen, k)), "k": int(k),
-            "pca_dim": int(pca_dim) if pca_dim else None}
+    if pca_fit not in ("reference", "both"):
+        raise ValueError(f"pca_fit must be 'reference' or 'both', got {pca_fit!r}")
+    if normalize:
+        ref = ref / np.maximum(np.linalg.norm(ref, axis=1, keepdims=True), 1e-300)
+        gen = gen / np.maximum(np.linalg.norm(gen, axis=1, keepdims=True), 1e-300)
+    if pca_dim or pca_variance is not None:
+        fit = ref if pca_fit == "reference" else np.concatenate([ref, gen])
+        ref = pca_project(ref, fit, pca_dim or None, variance=pca_variance)
+        gen = pca_project(gen, fit, ref.shape[1])
+    return {"precision": _coverage(gen, ref, _knn_radii(ref, k), strict),
+            "recall": _coverage(ref, gen, _knn_radii(gen, k), strict), "k": int(k),
+            "pca_dim": int(ref.shape[1]) if (pca_dim or pca_variance is not None) else None,
+            "normalize": bool(normalize), "pca_fit": pca_fit, "strict": bool(strict)}

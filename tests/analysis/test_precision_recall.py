@@ -102,3 +102,30 @@ def test_knn_sub_cluster_has_full_precision_low_recall():
     assert out["recall"] < 0.6
     with pytest.raises(ValueError, match="k must be"):
         prm.knn_precision_recall(ref, gen[:3], k=5)
+
+
+def test_knn_authors_protocol_settings():
+    # the group's public text evaluation: L2-normalised rows, PCA on both sets to 90% of the
+    # variance, k = 4, strict inside
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(80, 6)) * np.array([10.0, 5.0, 0.1, 0.1, 0.1, 0.1])
+    out = prm.knn_precision_recall(x, x.copy(), **prm.AUTHORS_PROTOCOL)
+    assert out["precision"] == 1.0 and out["recall"] == 1.0 and out["k"] == 4
+    assert out["normalize"] and out["pca_fit"] == "both" and out["strict"]
+    # two strong directions hold > 90% of the variance: two components are kept
+    assert prm.pca_project(x, x, variance=0.9).shape[1] == 2
+    assert prm.pca_project(x, x, variance=1.0).shape[1] == 6
+    # normalising makes the estimate blind to a rescaled generator
+    gen = rng.normal(size=(80, 6)) * np.array([10.0, 5.0, 0.1, 0.1, 0.1, 0.1])
+    a = prm.knn_precision_recall(x, gen, k=4, normalize=True)
+    b = prm.knn_precision_recall(x, 3.0 * gen, k=4, normalize=True)
+    assert (a["precision"], a["recall"]) == (b["precision"], b["recall"])
+    # strict "<" leaves out a point exactly on a ball's edge; "<=" keeps it
+    ref = np.array([[0.0], [1.0], [20.0], [21.0]])  # every 1-NN radius is 1
+    on_edge = np.array([[2.0], [10.0], [30.0]])  # 2.0 is on ref[1]'s edge, the others far out
+    assert prm.knn_precision_recall(ref, on_edge, k=1)["precision"] == pytest.approx(1 / 3)
+    assert prm.knn_precision_recall(ref, on_edge, k=1, strict=True)["precision"] == 0.0
+    with pytest.raises(ValueError, match="pca_fit"):
+        prm.knn_precision_recall(x, gen, pca_fit="generated", pca_dim=2)
+    with pytest.raises(ValueError, match="pca_variance"):
+        prm.knn_precision_recall(x, gen, pca_dim=2, pca_variance=0.9)
