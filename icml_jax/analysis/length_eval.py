@@ -9,11 +9,14 @@ non-overlapping windows of ``length`` inputs (targets shifted by one); every win
 context at position 0, so each length scores exactly the same tokens. Documents are joined with
 their bos/eos ids as in training.
 
-Passkey: a random 5-digit key sentence is inserted at ``depth`` (fraction of the filler) into real
-held-out text, followed by a retrieval question; the whole prompt + key is ``length`` tokens.
-Teacher-forced accuracy = fraction of the 5 key digits that are the argmax given the true prefix;
-greedy accuracy = fraction of digits right when the 5 tokens are generated with the KV-cache
-``generate`` (temperature 0).
+Passkey (associative recall with a distinct cue): a random ``key_digits``-digit key follows a cue
+token ``CUE`` that never occurs in the filler, at ``depth`` (fraction of the filler) of real
+held-out text; the prompt ends with the cue again and the answer is the key, ``length`` tokens in
+all: ``[bos] filler[:cut] ^1234 filler[cut:] ^`` -> ``1234``. The filler has the cue and every
+digit removed (``passkey_filler``), so a one-token induction head on the cue solves it exactly.
+Teacher-forced accuracy = fraction of the key digits that are the argmax given the true prefix;
+greedy accuracy = fraction of digits right when the key is generated with the KV-cache
+``generate`` (temperature 0); ``exact`` = fraction of keys whose digits are all right greedily.
 """
 from __future__ import annotations
 
@@ -29,9 +32,10 @@ from icml_jax.inference import decode
 from icml_jax.losses.logps import token_logprobs
 from icml_jax.models import build_model
 
-NEEDLE = " The pass key is {key}. "  # short, so that it fits a 64-token training window
-QUESTION = " The pass key is "
-
+CUE = "^"  # one byte that no Shakespeare text contains (and stripped from the filler anyway)
+KEY_DIGITS = 4  # default key length; every passkey function takes ``key_digits``
+NEEDLE = CUE + "{key}"  # inserted into the filler
+QUESTION = CUE  # ends the prompt; the answer is the key
 
 def heldout_stream(data_cfg, tokenizer, split: str = "validation") -> np.ndarray:
     """All documents of ``split`` as one int32 token stream, each as [bos] + text + [eos]."""
@@ -93,18 +97,28 @@ def perplexity_at_lengths(model_cfg, params, stream: np.ndarray, lengths: Sequen
     return out
 
 
-def passkey_min_length(tokenizer) -> int:
-    """Shortest passkey example (bos + needle + question + 5-digit key, no filler)."""
-    return 1 + len(tokenizer.encode(NEEDLE.format(key="00000"))) + \
-        len(tokenizer.encode(QUESTION)) + len(tokenizer.encode("00000"))
+def passkey_min_length(tokenizer, key_digits: int = KEY_DIGITS) -> int:
+    """Shortest passkey example (bos + needle + question + key, no filler)."""
+    key = "0" * key_digits
+    return 1 + len(tokenizer.encode(NEEDLE.format(key=key))) + \
+        len(tokenizer.encode(QUESTION)) + len(tokenizer.encode(key))
+
+
+def passkey_filler(tokenizer, stream: np.ndarray) -> np.ndarray:
+    """``stream`` without bos/eos, the cue's tokens and any digit token: the filler text."""
+    drop = {tokenizer.bos_id, tokenizer.eos_id}
+    for ch in CUE + "0123456789":
+        drop.update(tokenizer.encode(ch))
+    return stream[~np.isin(stream, np.asarray(sorted(drop), stream.dtype))]
 
 
 def passkey_example(tokenizer, stream: np.ndarray, length: int, depth: float,
-                    rng: np.random.RandomState):
-    """(prompt ids, key digit ids [5], key string): [bos] + filler[:cut] + needle + filler[cut:]
-    + question, then the key, ``length`` tokens in all; the filler is a random slice of held-out
-    text (bos/eos ids removed)."""
-    key = "".join(str(d) for d in rng.randint(0, 10, 5))
+                    rng: np.random.RandomState, filler_is_clean: bool = False,
+                    key_digits: int = KEY_DIGITS):
+    """(prompt ids, key digit ids [key_digits], key string): [bos] + filler[:cut] + needle +
+    filler[cut:] + question, then the key, ``length`` tokens in all; the filler is a random slice
+    of ``passkey_filler(stream)`` (pass ``filler_is_clean=True`` when ``stream`` already is one)."""
+    key = "".join(str(d) for d in rng.randint(0, 10, key_digits))
     needle = list(tokenizer.encode(NEEDLE.format(key=key)))
     question = list(tokenizer.encode(QUESTION))
     answer = list(tokenizer.encode(key))
@@ -112,7 +126,7 @@ def passkey_example(tokenizer, stream: np.ndarray, length: int, depth: float,
     if n_fill < 0:
         raise ValueError(f"passkey length {length} is too short for the needle and question "
                          f"({length - n_fill} tokens needed)")
-    text = stream[(stream != tokenizer.bos_id) & (stream != tokenizer.eos_id)]
+    text = stream if filler_is_clean else passkey_filler(tokenizer, stream)
     start = rng.randint(0, len(text) - n_fill)
     filler = [int(t) for t in text[start:start + n_fill]]
     cut = int(round(depth * n_fill))
@@ -127,13 +141,17 @@ def _logits_fn(model_cfg):
 
 
 def passkey_accuracy(model_cfg, params, tokenizer, stream, length: int, depth: float,
-                     trials: int = 4, seed: int = 0, greedy: bool = True) -> dict:
-    """{"teacher_forced", "greedy"}: mean digit accuracy over ``trials`` random keys."""
+                     trials: int = 4, seed: int = 0, greedy: bool = True,
+                     key_digits: int = KEY_DIGITS) -> dict:
+    """{"teacher_forced", "greedy", "exact"}: digit accuracy over ``trials`` random keys
+    (teacher-forced, greedy) and the share of keys generated exactly (greedy)."""
     model_cfg = _frozen(model_cfg)
     rng = np.random.RandomState(seed + 7919 * length + int(1000 * depth))
-    ex = [passkey_example(tokenizer, stream, length, depth, rng) for _ in range(trials)]
+    text = passkey_filler(tokenizer, stream)
+    ex = [passkey_example(tokenizer, text, length, depth, rng, filler_is_clean=True,
+                          key_digits=key_digits) for _ in range(trials)]
     full = np.asarray([p + a for p, a, _ in ex], np.int32)  # [trials, length]
-    answers = np.asarray([a for _, a, _ in ex], np.int32)  # [trials, 5]
+    answers = np.asarray([a for _, a, _ in ex], np.int32)  # [trials, key_digits]
     P = len(ex[0][0])
     logits = np.asarray(_logits_fn(model_cfg)(params, full[:, :-1]))
     pred = logits[:, P - 1:P - 1 + answers.shape[1]].argmax(-1)
@@ -143,15 +161,18 @@ def passkey_accuracy(model_cfg, params, tokenizer, stream, length: int, depth: f
                             max_new_tokens=answers.shape[1], temperature=0.0,
                             stop_tokens=(), pad_id=tokenizer.pad_id)
         out["greedy"] = float((g.tokens == answers).mean())
+        out["exact"] = float((g.tokens == answers).all(-1).mean())
     return out
 
 
 def passkey_grid(model_cfg, params, tokenizer, stream, lengths: Sequence[int],
-                 depths: Sequence[float], trials: int = 4, seed: int = 0, greedy: bool = True) -> list:
-    """One row per (length, depth): {"length", "depth", "teacher_forced", "greedy"}."""
+                 depths: Sequence[float], trials: int = 4, seed: int = 0, greedy: bool = True,
+                 key_digits: int = KEY_DIGITS) -> list:
+    """One row per (length, depth): {"length", "depth", "teacher_forced", "greedy", "exact"}."""
     rows = []
     for L in lengths:
         for d in depths:
-            acc = passkey_accuracy(model_cfg, params, tokenizer, stream, L, d, trials, seed, greedy)
+            acc = passkey_accuracy(model_cfg, params, tokenizer, stream, L, d, trials, seed, greedy,
+                                   key_digits)
             rows.append({"length": int(L), "depth": float(d), **acc})
     return rows

@@ -5,7 +5,9 @@ import os
 
 import pytest
 
-from experiments.fope_length.__main__ import FACTORS, METHODS, main
+from experiments.fope_length.__main__ import FACTORS, PRESETS, main
+
+METHODS = tuple(PRESETS["tiny"].methods)
 
 
 @pytest.mark.xdist_group("fope_tiny_run")
@@ -16,6 +18,11 @@ def test_fope_length_tiny_outputs(fope_tiny_run, session_tfds_dir, monkeypatch):
     wd = fope_tiny_run
     cfg = json.load(open(os.path.join(wd, "config.json")))
     assert cfg["methods"] == list(METHODS) and len(cfg["seeds"]) >= 2
+    # the control arms differ from their bases only in the flag they control
+    runs = {m: json.load(open(os.path.join(wd, f"{m}_s0", "eval.json")))["key"]["config"]["model"]
+            for m in METHODS}
+    assert runs["rope_clip"] == {**runs["rope"], "rope_floor_clip": True}
+    assert runs["fope_pad0"] == {**runs["fope"], "fope": {**runs["fope"]["fope"], "pad_sin_value": 0.0}}
     L = cfg["base_config"]["data"]["seq_len"]
     rows = list(csv.DictReader(open(os.path.join(wd, "results.csv"))))
     ppl = [r for r in rows if r["metric"] == "perplexity"]
@@ -25,12 +32,14 @@ def test_fope_length_tiny_outputs(fope_tiny_run, session_tfds_dir, monkeypatch):
         assert 1.0 < float(r["value"]) < 384.0, r  # finite, better than nothing absurd
     pk = [r for r in rows if r["metric"].startswith("passkey_")]
     assert pk and all(0.0 <= float(r["value"]) <= 1.0 for r in pk)
-    assert {r["metric"] for r in pk} == {"passkey_teacher_forced", "passkey_greedy"}
+    assert {r["metric"] for r in pk} == {"passkey_teacher_forced", "passkey_greedy", "passkey_exact"}
+    assert {int(r["length"]) for r in pk} == {f * L for f in FACTORS}  # the task fits in L = 32
     md = open(os.path.join(wd, "results.md")).read()
     for m in METHODS:
         assert f"| {m} | " in md
-    assert "seeds [0, 1]" in md and "Command:" in md
-    for name in ["perplexity_vs_length.png"] + [f"passkey_{m}.png" for m in METHODS]:
+    assert "seeds [0, 1]" in md and "Command:" in md and "## Gate" in md
+    for name in ["perplexity_vs_length.png", "retrieval_vs_length.png"] + \
+            [f"passkey_{m}.png" for m in METHODS]:
         with open(os.path.join(wd, name), "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n", name
     # a rerun resumes: nothing is retrained or re-evaluated
@@ -41,9 +50,7 @@ def test_fope_length_tiny_outputs(fope_tiny_run, session_tfds_dir, monkeypatch):
 
 
 def test_passkey_mix_corpus(tmp_path, monkeypatch):
-    """The passkey training mix: eval-format documents within L, works all in 'train', deterministic."""
-    import re
-
+    """The retrieval training mix: eval-format documents within L, works all in 'train', deterministic."""
     from experiments.fope_length.__main__ import passkey_mix_corpus
     from icml_jax.analysis import length_eval
     from icml_jax.config_utils import load_config
@@ -53,17 +60,57 @@ def test_passkey_mix_corpus(tmp_path, monkeypatch):
     cfg = load_config("configs/fope.py:default")
     tok = build_tokenizer(cfg.data.tokenizer)
     L = cfg.data.seq_len
-    paths = [passkey_mix_corpus(str(tmp_path / d), cfg.data, tok, L, 0.002, 0) for d in ("a", "b")]
+    paths = [passkey_mix_corpus(str(tmp_path / d), cfg.data, tok, L, 0.5, 0, 200) for d in ("a", "b")]
     assert open(paths[0]).read() == open(paths[1]).read()  # deterministic in the seed
     rows = [json.loads(line) for line in open(paths[0])]
+    src = get_split_source(cfg.data, "train")
+    train_text = "\0".join(src[i]["text"] for i in range(len(src)))
     works = [r["text"] for r in rows if r["kind"] == "shakespeare"]
-    assert len(works) == len(get_split_source(cfg.data, "train"))
+    assert works and all(w in train_text for w in works)  # passages of the train split
+    assert not any(length_eval.CUE in w for w in works)  # the cue is distinct from the text
     splits = assign_splits([str(i) for i in range(1, len(rows) + 1)])
     assert all(splits[str(i + 1)] == "train" for i, r in enumerate(rows) if r["kind"] == "shakespeare")
     pk = [r["text"] for r in rows if r["kind"] == "passkey"]
-    assert len(pk) > 10
-    q = re.escape(length_eval.QUESTION)
+    assert len(pk) == 200
+    n_pk, n_text = (sum(len(tok.encode(t)) + 2 for t in texts) for texts in (pk, works))
+    assert n_pk <= n_text < n_pk + max(len(tok.encode(w)) + 2 for w in works)  # fraction 0.5
+    n = length_eval.KEY_DIGITS
     for text in pk:
         assert length_eval.passkey_min_length(tok) <= len(tok.encode(text)) + 1 <= L  # + bos
-        key = re.search(q + r"(\d{5})$", text).group(1)
-        assert length_eval.NEEDLE.format(key=key) in text
+        # exactly two cues: the needle's and the query at the end; digits only in the two keys
+        assert text.count(length_eval.CUE) == 2 and text[-n - 1] == length_eval.CUE
+        key = text[-n:]
+        assert key.isdigit() and length_eval.NEEDLE.format(key=key) in text
+        assert sum(c.isdigit() for c in text) == 2 * n
+    # repeated queries: every cue is followed by the same key, the document still fits in L
+    rep = passkey_mix_corpus(str(tmp_path / "r"), cfg.data, tok, L, 0.5, 0, 200, repeat_prob=0.9)
+    pk = [json.loads(line)["text"] for line in open(rep)]
+    pk = [t for t in pk if length_eval.CUE + t[-n:] in t and t[-n - 1] == length_eval.CUE]
+    assert len(pk) == 200 and max(t.count(length_eval.CUE) for t in pk) > 2
+    for text in pk:
+        assert len(tok.encode(text)) + 1 <= L  # + bos
+        assert text.count(length_eval.CUE) == text.count(length_eval.CUE + text[-n:])
+
+
+def test_passkey_example_format():
+    """``[bos] filler ^KEY filler ^`` + KEY, exactly ``length`` tokens, the needle at ``depth``."""
+    import numpy as np
+
+    from icml_jax.analysis import length_eval
+    from icml_jax.config_utils import load_config
+    from icml_jax.data import build_tokenizer
+    tok = build_tokenizer(load_config("configs/fope.py:tiny").data.tokenizer)
+    stream = np.asarray([tok.bos_id] + tok.encode("ab^c1d2 e" * 20) + [tok.eos_id], np.int32)
+    filler = length_eval.passkey_filler(tok, stream)
+    assert tok.decode(filler.tolist()) == "abcd e" * 20
+    cue = tok.encode(length_eval.CUE)
+    for depth in (0.0, 0.5, 1.0):
+        prompt, answer, key = length_eval.passkey_example(tok, stream, 40, depth,
+                                                          np.random.RandomState(0))
+        assert len(prompt) + len(answer) == 40 and prompt[0] == tok.bos_id
+        assert tok.decode(answer) == key and len(key) == length_eval.KEY_DIGITS
+        assert prompt[-len(cue):] == cue
+        body = tok.decode(prompt[1:])
+        assert body.count(length_eval.CUE) == 2 and sum(c.isdigit() for c in body) == len(key)
+        n_fill = 40 - length_eval.passkey_min_length(tok)
+        assert body.index(length_eval.CUE + key) == round(depth * n_fill)

@@ -41,7 +41,7 @@ def _testbed(run, work):
 SHARED = {
     "fope_length_generalization.ipynb": (
         "fope_tiny_run", _fope,
-        [f"{m}_s{s}/eval.json" for m in ("rope", "fope", "alibi", "nope") for s in (0, 1)]),
+        [f"{m}_s{s}/eval.json" for m in ("rope", "rope_clip", "fope", "fope_pad0") for s in (0, 1)]),
     "implicit_prm_quickstart.ipynb": (
         "implicit_prm_tiny_run", _implicit_prm,
         [f"exp/{f}" for f in ("generator_result.json", "samples_train.json", "samples_eval.json",
