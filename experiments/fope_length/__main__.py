@@ -264,7 +264,7 @@ def aggregate(results, L, exp):
 def markdown(stats, passed, methods, seeds, L, exp, meta):
     lengths = [f * L for f in FACTORS]
     pk_lengths = [l for l in lengths if (methods[0], "passkey_teacher_forced", l, "") in stats]
-    lines = ["# FoPE length generalisation (RoPE / FoPE / ALiBi / NoPE, clipping and pad controls)", "",
+    lines = [f"# FoPE length generalisation ({', '.join(methods)})", "",
              f"Command: `{meta['command']}` — commit `{meta['commit']}`, seeds {list(meta['seeds'])}, "
              f"preset `{meta['preset']}`, {meta['steps']} steps at training length L = {L}, "
              f"wall time {meta['wall_seconds'] / 60:.1f} min ({meta['cpus']} CPUs, shared).", "",
