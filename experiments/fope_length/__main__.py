@@ -36,6 +36,7 @@ from experiments.common import (cached, git_commit, mean_spread, pm, preset, rec
                                 write_atomic, write_csv)
 from icml_jax import xla_env
 
+FACTORS = (1, 2, 4, 8)  # evaluation lengths, in units of the training length L
 PRESETS = {
     # methods, seeds, ppl token budget (multiple of 8L), retrieval depths and keys per (length,
     # depth) cell, and the share of the training corpus's tokens that are synthetic retrieval
@@ -43,7 +44,8 @@ PRESETS = {
     # only change config.model.position, covered by tests/models/test_positions.py), no mix.
     "tiny": preset(methods=("rope", "rope_clip", "fope", "fope_pad0"), seeds=(0, 1),
                    eval_tokens=2048, depths=(0.2, 0.8), trials=2, passkey_train_fraction=0.0,
-                   passkey_docs=0, passkey_repeat_prob=0.0, key_digits=1, steps=0),
+                   passkey_docs=0, passkey_repeat_prob=0.0, key_digits=1, steps=0,
+                   passkey_factors=(1, 8)),  # retrieval at L and 8L only: fewer compiles
     # default: PILOT (RoPE, seed 0, teacher-forced key accuracy at L = 64 for depths
     # 0.1/0.5/0.9, 32 keys each, chance 0.10). 4-digit keys (needs an induction head): mix 0.5
     # (all of the Shakespeare train split), 600 steps, 8 keys each: 0.16/0.09/0.16; mix 0.8,
@@ -58,7 +60,7 @@ PRESETS = {
     "default": preset(methods=("rope", "rope_clip", "fope", "fope_pad0"),
                       seeds=(0, 1, 2), eval_tokens=32768, depths=(0.1, 0.3, 0.5, 0.7, 0.9),
                       trials=32, passkey_train_fraction=0.95, passkey_docs=60000,
-                      passkey_repeat_prob=0.7, key_digits=1, steps=1500),
+                      passkey_repeat_prob=0.7, key_digits=1, steps=1500, passkey_factors=FACTORS),
 }
 METHODS = ("rope", "rope_clip", "fope", "fope_pad0", "alibi", "nope")
 # each method = the preset (position "fope", reference defaults) with these config overrides
@@ -80,7 +82,6 @@ METHOD_DOC = {
 }
 PASSKEY_METRICS = ("teacher_forced", "greedy", "exact")
 GATE = 0.9  # within-L teacher-forced digit accuracy a (method, seed) needs for its beyond-L read
-FACTORS = (1, 2, 4, 8)
 
 
 def shakespeare_passages(works, min_chars=2048):
@@ -196,7 +197,8 @@ def run_one(cfg, workdir, exp, stream, tokenizer):
         ppl = length_eval.perplexity_at_lengths(cfg.model, params, stream, lengths,
                                                 num_tokens=exp["eval_tokens"])
         kd = exp["key_digits"]
-        pk_lengths = [l for l in lengths if l >= length_eval.passkey_min_length(tokenizer, kd)]
+        pk_lengths = [f * L for f in exp["passkey_factors"]
+                      if f * L >= length_eval.passkey_min_length(tokenizer, kd)]
         pk = length_eval.passkey_grid(cfg.model, params, tokenizer, stream, pk_lengths, exp["depths"],
                                       trials=exp["trials"], seed=cfg.seed, key_digits=kd)
         return {"perplexity": {str(k): v for k, v in ppl.items()}, "passkey": pk,
@@ -206,7 +208,8 @@ def run_one(cfg, workdir, exp, stream, tokenizer):
     # the evaluation's settings only: a run is reused whatever the other methods / seeds are
     key = {"config": json.loads(cfg.to_json_best_effort()),
            "exp": {k: exp[k] for k in ("eval_tokens", "depths", "trials", "passkey_train_fraction",
-                                  "passkey_docs", "passkey_repeat_prob", "key_digits")}}
+                                  "passkey_docs", "passkey_repeat_prob", "key_digits",
+                                  "passkey_factors")}}
     return cached(os.path.join(workdir, "eval.json"), key, compute)
 
 

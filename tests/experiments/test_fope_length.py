@@ -33,7 +33,7 @@ def test_fope_length_tiny_outputs(fope_tiny_run, session_tfds_dir, monkeypatch):
     pk = [r for r in rows if r["metric"].startswith("passkey_")]
     assert pk and all(0.0 <= float(r["value"]) <= 1.0 for r in pk)
     assert {r["metric"] for r in pk} == {"passkey_teacher_forced", "passkey_greedy", "passkey_exact"}
-    assert {int(r["length"]) for r in pk} == {f * L for f in FACTORS}  # the task fits in L = 32
+    assert {int(r["length"]) for r in pk} == {f * L for f in PRESETS["tiny"].passkey_factors}
     md = open(os.path.join(wd, "results.md")).read()
     for m in METHODS:
         assert f"| {m} | " in md
