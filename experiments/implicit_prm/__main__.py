@@ -108,20 +108,13 @@ def run(exp, workdir, timing):
     implicit = [n for n in prm_names if n != stages.STEP_PRM]
     prm_scores = [(n, np.array(sc["q_raw"][n]), M) for n in implicit]
     step_scores = [(n, np.array(sc["step_logit"][n]), M) for n in sc["step_logit"]]
+    nbytes = np.array([len(r.encode()) for g in eval_groups for r in g], np.float64)
     table, lengths, diag = best_of_n_table(exp, test, ev, prm_scores, np.array(sc["ref_sum"]),
-                                           step_scores, np.array(sc["length"]))
+                                           step_scores, nbytes)
     fe = first_error_table(exp, ev, prm_scores, step_scores)
-    info = run_info(gen_dir, gen, labels, n_pairs, ev, prm_info, prm_cfgs, seq_len, paths)
-    info["length"] = {"correct": float(np.mean([x for x, c in zip(sc["length"], _flat(ev)) if c]
-                                               or [np.nan])),
-                      "wrong": float(np.mean([x for x, c in zip(sc["length"], _flat(ev)) if not c]
-                                             or [np.nan]))}
+    info = run_info(gen_dir, gen, labels, n_pairs, ev, prm_info, prm_cfgs, seq_len, paths, nbytes)
     return {"table": table, "lengths": lengths, "ranking": diag, "first_error": fe,
             "prm_names": prm_names, "info": info}
-
-
-def _flat(ev):
-    return [c for e in ev for c in e["correct"]]
 
 
 def main(argv=None):

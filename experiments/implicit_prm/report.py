@@ -148,14 +148,19 @@ def first_error_table(exp, ev, prm_scores, step_scores=()):
 
 # ----------------------------------------------------------------------------- outputs
 
-def run_info(gen_dir, gen, labels, n_pairs, ev, prm_info, prm_cfgs, seq_len, paths):
-    """config.json's ``info``: the generator, the sample accuracies, the PRMs and their configs."""
+def run_info(gen_dir, gen, labels, n_pairs, ev, prm_info, prm_cfgs, seq_len, paths, nbytes):
+    """config.json's ``info``: the generator, the sample accuracies, the mean length in bytes of
+    the right and the wrong eval samples (``nbytes``: per eval sample), the PRMs and their
+    configs."""
+    right = np.array([c for e in ev for c in e["correct"]], bool)
+    mean = lambda x: float(x.mean()) if len(x) else float("nan")
     return {"generator": {"eval_loss": gen["eval"].get("eval_loss", float("nan")),
                           "seconds": gen["train_seconds"], "steps_total": gen["steps_total"],
                           "workdir": gen_dir},
             "train_accuracy": float(np.mean(labels)), "n_pairs": n_pairs,
             "eval_accuracy": float(np.mean([e["correct"] for e in ev])),
             "eval_all_steps_correct": float(np.mean([e["all_steps_correct"] for e in ev])),
+            "length": {"correct": mean(nbytes[right]), "wrong": mean(nbytes[~right])},
             "prm": prm_info, "prm_configs": prm_cfgs, "seq_len": seq_len, "paths": paths}
 
 
@@ -186,7 +191,7 @@ def means(stacked):
 def cell(xs, nd=3):
     """One value as is; several as ``mean ± s.e.`` over the seeds."""
     if len(xs) == 1:
-        return _fmt(xs[0]) if nd == 3 else f"{xs[0]:.{nd}f}"
+        return "—" if xs[0] != xs[0] else f"{xs[0]:.{nd}f}"
     m, se, n = mean_spread(xs, "se")
     return "—" if not n else pm(m, se, nd)
 

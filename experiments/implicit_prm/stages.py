@@ -321,7 +321,7 @@ def step_logits(model_cfg, tok, workdir, prompts, responses, seq_len, K, batch_s
 def score_stage(exp, workdir, policy, eval_prompts, groups, seq_len, prm_names, prm_info,
                 prm_dirs):
     """``DIR/scores_eval.json`` (cached): per eval response its generator log-prob
-    (``ref_sum``), step mask, length in bytes, per implicit PRM the raw prefix sums q_k / kappa
+    (``ref_sum``), step mask, per implicit PRM the raw prefix sums q_k / kappa
     (``q_raw``) and, for the step-label PRM, its per-step logits (``step_logit``)."""
     import numpy as np
     flat_p = [p for p, g in zip(eval_prompts, groups) for _ in g]
@@ -335,8 +335,7 @@ def score_stage(exp, workdir, policy, eval_prompts, groups, seq_len, prm_names, 
         bs = int(exp["sample_batch"])
         ref = logps(mdl, mdl.ref_params, rows, bs)
         out = {"ref_sum": np.sum(ref * (rows["response_mask"] > 0), 1).tolist(),
-               "step_mask": M.tolist(), "length": [len(r.encode()) for r in flat_r],
-               "q_raw": {}, "step_logit": {}}
+               "step_mask": M.tolist(), "q_raw": {}, "step_logit": {}}
         for n in prm_names:
             if n == STEP_PRM:
                 lg, ends, mask = step_logits(mdl.model_cfg, mdl.tok, prm_dirs[n], flat_p, flat_r,

@@ -12,7 +12,7 @@ from experiments.implicit_prm.__main__ import main
 from experiments.implicit_prm.presets import PRESETS, record
 from experiments.implicit_prm.report import (CSV_FIELDS, bon_over_orders, selector_scores,
                                              step_selector_scores, write_outputs)
-from experiments.implicit_prm.stages import STEP_PRM, response_steps, step_logits
+from experiments.implicit_prm.stages import STEP_PRM, response_steps
 
 
 def test_selector_scores_and_orders():
@@ -134,17 +134,29 @@ def test_implicit_prm_tiny(implicit_prm_tiny_run, session_tfds_dir, monkeypatch)
     assert lens["random pick"][max(exp["ns"])] == pytest.approx(mean_len)
     assert len({round(res[1], 9) for res in lens.values()}) == 1
     assert {f"{STEP_PRM}: min p_k", "generator log-prob"} <= set(lens)
+    # the step-label PRM's logits: one per written step (0 at padding), not a constant
+    sc = json.load(open(os.path.join(wd, "scores_eval.json")))
+    lg, M = np.array(sc["step_logit"][STEP_PRM]), np.array(sc["step_mask"])
+    assert lg.shape == M.shape and np.all(lg[M == 0] == 0) and np.all(lg[M > 0] != 0)
+    assert np.ptp(lg[M > 0]) > 1e-4
     fe = [r for r in rows if r["kind"] == "first_error" and r["n"] == "f1"]
     assert {r["selector"] for r in fe} == set(out["prm_names"])
     md = open(os.path.join(wd, "results.md")).read()
     for s in ("## Best-of-N accuracy", "## First-error detection", "## Reading", "commit ",
               "| selector | N=1 |", "| PRM | F1 |", "## Length of the selected response"):
         assert s in md, s
-    acc = cfg["info"]["eval_accuracy"]  # the gate states the generator's accuracy and its verdict
-    ev_correct = [ar.check_solution(p, r).answer_correct for p, g in zip(
-        ar.make_splits(exp["seed"], exp["gen_problems"], exp["test_problems"], **exp["knobs"])[1],
-        ev_groups) for r in g]
-    assert acc == pytest.approx(np.mean(ev_correct))
+    # the gate's accuracy and the right / wrong samples' lengths, from the checker directly
+    test_problems = ar.make_splits(exp["seed"], exp["gen_problems"], exp["test_problems"],
+                                   **exp["knobs"])[1]
+    right = np.array([ar.check_solution(p, r).answer_correct
+                      for p, g in zip(test_problems, ev_groups) for r in g])
+    nbytes = np.array([len(r.encode()) for g in ev_groups for r in g])
+    length = cfg["info"]["length"]
+    assert length["wrong"] == pytest.approx(nbytes[~right].mean())
+    assert (length["correct"] == pytest.approx(nbytes[right].mean()) if right.any()
+            else length["correct"] != length["correct"])  # NaN when no sample is right
+    acc = cfg["info"]["eval_accuracy"]
+    assert acc == pytest.approx(right.mean())
     gate = "inside [0.30, 0.60]" if 0.3 <= acc <= 0.6 else "outside [0.30, 0.60]: the gate fails"
     assert f"per-sample accuracy on the held-out problems is {acc:.3f}: {gate}" in md
 
@@ -156,6 +168,18 @@ def test_implicit_prm_tiny(implicit_prm_tiny_run, session_tfds_dir, monkeypatch)
     assert time.time() - t0 < 30  # everything cached: only the tables and plots are rewritten
     for f, t in before.items():
         assert os.path.getmtime(os.path.join(wd, f)) == t, f
+
+
+def test_ranking_diagnostics():
+    from experiments.implicit_prm.report import ranking_diagnostics
+    correct = np.array([[True, False, False], [False, True, True]])
+    answers = [[5, 3, 3], [1, 2, 2]]
+    right_first = np.array([[3.0, 1.0, 2.0], [0.0, 2.0, 1.0]])
+    d = ranking_diagnostics(right_first, correct, answers)
+    assert d["auc"] == 1.0 and d["rare_pick"] == 0.5  # problem 0's top answer 5 is given once
+    d = ranking_diagnostics(-right_first, correct, answers)
+    assert d["auc"] == 0.0 and d["rare_pick"] == 0.5  # problem 1's top answer 1 is given once
+    assert ranking_diagnostics(np.zeros((2, 3)), correct, answers)["auc"] == 0.5  # ties: 1/2
 
 
 def test_step_label_prm_scores_and_step_ends():
