@@ -113,6 +113,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.eval_every = 200
     c.train.eval_batches = 8
     c.train.checkpoint_every = 200
+    # extra steps to checkpoint besides every checkpoint_every (e.g. log-spaced ones for a
+    # training-dynamics study); keep_checkpoints still bounds how many stay on disk
+    c.train.checkpoint_steps = ()
     c.train.keep_checkpoints = 3
     c.train.async_checkpoint = True
     # CRC32 of every checkpoint file, written after each save and checked on restore (a step whose

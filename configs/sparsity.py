@@ -12,9 +12,10 @@ trend. The two models of the experiment differ only in ``config.model.mlp.activa
 
 Presets:
   ``tiny``     seconds; tests.
-  ``default``  the method page's experiment model: 4 layers, d_model 128, d_ff 512, 4 heads of 32, byte tokens,
-               batch 8 x 128, 800 steps (0.82M tokens). A checkpoint every 25 steps, all kept
-               (~12 MB each); the experiment evaluates a log-spaced subset of them.
+  ``default``  the method page's experiment model: 2 layers, d_model 64, d_ff 256, 2 heads of 32, byte tokens,
+               batch 16 x 128, 2000 steps (4.1M tokens, about one pass over the train split), constant lr
+               3e-3 after 25 warmup steps. A checkpoint every 500 steps (~2 MB each); the experiment adds
+               its log-spaced evaluation steps through ``train.checkpoint_steps``.
 """
 import ml_collections
 
@@ -29,15 +30,15 @@ PRESETS = {
                    max_seq_len=64),
         data=dict(seq_len=32),
         train=dict(steps=40, batch_size=8, lr=1e-2, warmup_steps=4, min_lr_ratio=1.0, log_every=10,
-                   eval_every=40, eval_batches=2, checkpoint_every=5, keep_checkpoints=1000,
+                   eval_every=40, eval_batches=2, checkpoint_every=20, keep_checkpoints=1000,
                    samples=0, progress=False, async_checkpoint=False),
     ),
     "default": dict(
-        model=dict(d_model=128, num_layers=4, num_heads=4, num_kv_heads=4, head_dim=32, ffn_dim=512,
+        model=dict(d_model=64, num_layers=2, num_heads=2, num_kv_heads=2, head_dim=32, ffn_dim=256,
                    max_seq_len=128),
         data=dict(seq_len=128),
-        train=dict(steps=800, batch_size=8, lr=3e-3, warmup_steps=25, min_lr_ratio=1.0,
-                   log_every=25, eval_every=800, eval_batches=4, checkpoint_every=25,
+        train=dict(steps=2000, batch_size=16, lr=3e-3, warmup_steps=25, min_lr_ratio=1.0,
+                   log_every=50, eval_every=2000, eval_batches=4, checkpoint_every=500,
                    keep_checkpoints=1000, samples=0, progress=False, async_checkpoint=False),
     ),
 }

@@ -99,6 +99,10 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> tupl
     for key in ("checkpoint_every", "eval_every", "log_every"):
         if t[key] <= 0:
             raise ValueError(f"config.train.{key} must be positive, got {t[key]}")
+    bad = [s for s in (t.get("checkpoint_steps") or ()) if not (isinstance(s, int) and s > 0)]
+    if bad:
+        raise ValueError(f"config.train.checkpoint_steps holds {bad}: give positive integer steps, "
+                         "e.g. --config.train.checkpoint_steps='(10, 30, 100)'")
     if t.lr < 0:
         raise ValueError(f"config.train.lr={t.lr} is negative: the updates would climb the loss; "
                          "use a positive learning rate")
@@ -536,6 +540,7 @@ def _train(config, workdir: str, task, shape, stop: _StopOnSignal) -> tuple[Trai
         raise Interrupted(f"stopped by {name} after step {step}{saved}; rerun the same command "
                           "to resume", stop.signum)
 
+    extra_ckpts = frozenset(t.get("checkpoint_steps") or ())
     try:
         for step in range(start, t.steps):
             if stop.requested(step, t.log_every):
@@ -547,7 +552,7 @@ def _train(config, workdir: str, task, shape, stop: _StopOnSignal) -> tuple[Trai
             pending.append((s, metrics))
             bar.update(1)
             do_eval = s % t.eval_every == 0 or s == t.steps
-            do_ckpt = s % t.checkpoint_every == 0 or s == t.steps
+            do_ckpt = s % t.checkpoint_every == 0 or s == t.steps or s in extra_ckpts
             if s % t.log_every == 0 or do_eval or do_ckpt:
                 flush()
             if do_eval:

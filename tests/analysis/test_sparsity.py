@@ -323,6 +323,32 @@ def test_cett_ppl_search_properties(tiny_config):
     assert loose["activation_ratio"] <= res["activation_ratio"]  # more PPL allowed -> sparser
 
 
+def test_cett_search_over_checkpoints_is_one_cett_on_the_mean_ppl_ratio(tiny_config):
+    """The authors' protocol: bisection on the mean PPL ratio of several checkpoints, the result
+    rounded to 4 decimals and applied to each checkpoint with that checkpoint's own thresholds."""
+    m, params, batch = _model(tiny_config, "relu_glu", init_std=0.3)
+    batch["targets"] = jnp.argmax(_dense_logits(m, params, batch), -1)
+    other = jax.tree_util.tree_map(lambda x: x * 1.3, params)  # a second, different "checkpoint"
+    one = S.cett_ppl_search_checkpoints(m, [params], [batch], digits=None)
+    ref = S.cett_ppl_search(m, params, [batch], tol=1e-3)  # one checkpoint: the plain search
+    assert one["cett"] == pytest.approx(ref["cett"], abs=1e-12) and one["iterations"] == ref["iterations"]
+    res = S.cett_ppl_search_checkpoints(m, [params, other], [batch], p=1.0)
+    assert res["upper"] - res["lower"] <= 1e-3 and res["upper"] < 1.0
+    assert res["cett"] == round(res["cett_unrounded"], 4) and res["cett"] != res["cett_unrounded"]
+    mean = dict(res["history"])
+    assert mean[res["upper"]] >= 1.01 and (res["lower"] == 0 or mean[res["lower"]] < 1.01)
+    singles = [S.cett_ppl_search(m, pr, [batch], tol=1e-3)["cett"] for pr in (params, other)]
+    assert min(singles) - 2e-3 <= res["cett_unrounded"] <= max(singles) + 2e-3  # between the two
+    for pr, rho in zip((params, other), res["ppl_ratios"]):
+        at = S.sparsity_at_cett(m, pr, [batch], res["cett"])
+        assert at["ppl_ratio"] == pytest.approx(rho, rel=1e-9)
+        assert at["thresholds"] == S.LayerStats(S.collect_mlp(m, pr, batch)).thresholds(res["cett"])
+        assert at["activation_ratio"] == pytest.approx(S.activation_ratio(m, pr, at["thresholds"], [batch]))
+    assert res["mean_ppl_ratio"] == pytest.approx(np.mean(res["ppl_ratios"]))
+    with pytest.raises(ValueError, match="at least one checkpoint"):
+        S.cett_ppl_search_checkpoints(m, [], [batch])
+
+
 def test_fat_baseline(tiny_config):
     """FAT-0 removes exactly ReLU's zero gates (no PPL change); a huge eps removes everything."""
     m, params, batch = _model(tiny_config, "relu_glu", init_std=0.3)

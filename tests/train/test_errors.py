@@ -50,6 +50,7 @@ def test_bad_overrides_fail_in_one_line(tmp_path, override, expect):
     ("model", "head_dim", 7, "head_dim=7 is odd"),
     ("model", "d_model", 0, "d_model must be positive"),
     ("model", "ffn_dim", 0, "ffn_dim must be positive"),
+    ("train", "checkpoint_steps", (5, 0), r"checkpoint_steps holds \[0\]"),
 ])
 def test_bad_sizes_and_rates_stop_before_any_compute(cfg, tmp_path, section, key, value, expect):
     """Found by validate_config, before the workdir is created or anything compiles."""

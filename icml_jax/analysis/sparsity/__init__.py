@@ -8,6 +8,8 @@ sparsity_cett.md``): CETT, per-layer thresholds, CETT-PPL-p%, baselines and the 
   layers = collect_mlp(model, params, batch)              # [(acts_NF, w_down_FD)] per layer
   t = threshold_for_cett(*layers[0], 0.2)                 # the reference's grid + binary search
   res = cett_ppl_search(model, params, batches, p=1.0)    # res["activation_ratio"], res["thresholds"]
+  c = cett_ppl_search_checkpoints(model, [p1, p2], batches)["cett"]  # one CETT per run (authors)
+  sparsity_at_cett(model, p0, batches, c)["activation_ratio"]       # applied to any checkpoint
   fit_relu_law(D_billions, ratios)                        # {"alpha", "b", "c", "A0"}
 
 Every name is importable from ``icml_jax.analysis.sparsity`` itself.
@@ -15,9 +17,10 @@ Every name is importable from ``icml_jax.analysis.sparsity`` itself.
 from icml_jax.analysis.sparsity.cett import (GRID_SIZE, LayerStats, QUANTILE, activation_ratio_at,
                                              cett, check_gated, kept_neurons, neuron_output_norms,
                                              threshold_for_cett, torch_linspace)  # noqa: F401
-from icml_jax.analysis.sparsity.evaluate import (Batch, MLPSites, activation_ratio,
-                                                 cett_ppl_search, collect_gate_up, collect_mlp,
+from icml_jax.analysis.sparsity.evaluate import (Batch, CettProbe, MLPSites, activation_ratio,
+                                                 cett_ppl_search, cett_ppl_search_checkpoints, collect_gate_up, collect_mlp,
                                                  collect_mlp_batches, default_sites, dense_loss,
                                                  fat_baseline, sparse_apply, sparse_eval,
-                                                 sparse_logits, thresholds_tree, topk_baseline)  # noqa: F401
+                                                 sparse_logits, sparsity_at_cett, thresholds_tree,
+                                                 topk_baseline)  # noqa: F401
 from icml_jax.analysis.sparsity.laws import (fit_relu_law, fit_silu_law, relu_law, silu_law)  # noqa: F401

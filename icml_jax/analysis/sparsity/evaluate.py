@@ -279,6 +279,49 @@ def activation_ratio(model, params, sparsity, batches: Sequence[Batch]) -> float
 # ----------------------------------------------------------------------------- CETT-PPL-p%
 
 
+class CettProbe:
+    """One checkpoint on one token slice, ready for repeated CETT targets: its MLP activations and
+    threshold grids (``LayerStats``) and dense loss, computed once. ``at(c)`` recomputes the
+    per-layer thresholds for target CETT ``c`` from this checkpoint's dense pass and runs the
+    sparse pass: {"thresholds", "loss_sparse", "ppl_ratio" = exp(L_sparse - L_dense),
+    "activation_ratio"}."""
+
+    def __init__(self, model: nn.Module, params, batches: Sequence[Batch], *, grid_size: int = GRID_SIZE,
+                 index_rule: str = "prev", wrap_at_zero: str = "wrap"):
+        _check_rules(index_rule, wrap_at_zero)
+        self.model, self.params, self.batches = model, _unbox(params), list(batches)
+        self.rules = (index_rule, wrap_at_zero)
+        layers, self.sites = collect_mlp_batches(model, self.params, self.batches)
+        self.stats = LayerStats(layers, grid_size)
+        self.loss_dense = dense_loss(model, self.params, self.batches)
+
+    def at(self, c: float) -> dict:
+        th = self.stats.thresholds(c, *self.rules)
+        ev = sparse_eval(self.model, self.params, th, self.batches, sites=self.sites)
+        return {"thresholds": th, "loss_sparse": ev["loss"], "activation_ratio": ev["activation_ratio"],
+                "ppl_ratio": math.exp(ev["loss"] - self.loss_dense)}
+
+
+def _bisect(score, target_ratio: float, tol: float, max_iterations: int):
+    """The reference's outer search: halve [0, 1] keeping ``score(c) < target_ratio`` on the lower
+    side; returns (midpoint, lower, upper, iterations, history of (c, score))."""
+    lower, upper, it, history = 0.0, 1.0, 0, []
+    while upper - lower > tol and it < max_iterations:
+        c = (lower + upper) / 2
+        rho = score(c)
+        history.append((c, rho))
+        lower, upper = (c, upper) if rho < target_ratio else (lower, c)
+        it += 1
+    return (lower + upper) / 2, lower, upper, it, history
+
+
+def _check_search(p: float, tol: float):
+    if not p > 0:
+        raise ValueError(f"p (the allowed PPL increase in %) must be > 0; got {p}")
+    if not tol > 0:
+        raise ValueError(f"tol must be > 0; got {tol}")
+
+
 def cett_ppl_search(model: nn.Module, params, batches: Sequence[Batch], *, p: float = 1.0,
                     tol: float = 1e-6, grid_size: int = GRID_SIZE, index_rule: str = "prev",
                     wrap_at_zero: str = "wrap", max_iterations: int = 64) -> dict:
@@ -289,39 +332,67 @@ def cett_ppl_search(model: nn.Module, params, batches: Sequence[Batch], *, p: fl
     Returns {"cett", "activation_ratio", "sparsity", "thresholds" (per layer), "ppl_dense",
     "ppl_sparse", "ppl_ratio", "loss_dense", "loss_sparse", "lower", "upper", "iterations",
     "history" (list of (c, ppl_ratio, activation_ratio))}."""
-    if not p > 0:
-        raise ValueError(f"p (the allowed PPL increase in %) must be > 0; got {p}")
-    if not tol > 0:
-        raise ValueError(f"tol must be > 0; got {tol}")
-    _check_rules(index_rule, wrap_at_zero)
-    batches = list(batches)
-    params = _unbox(params)
-    layers, sites = collect_mlp_batches(model, params, batches)
-    stats = LayerStats(layers, grid_size)
-    loss_dense = dense_loss(model, params, batches)
-    target_ratio = 1.0 + p / 100.0
-    history = []
+    _check_search(p, tol)
+    probe = CettProbe(model, params, batches, grid_size=grid_size, index_rule=index_rule,
+                      wrap_at_zero=wrap_at_zero)
+    seen = []
 
-    def evaluate(c):
-        th = stats.thresholds(c, index_rule, wrap_at_zero)
-        ev = sparse_eval(model, params, th, batches, sites=sites)
-        rho = math.exp(ev["loss"] - loss_dense)
-        history.append((c, rho, ev["activation_ratio"]))
-        return th, ev, rho
+    def score(c):
+        r = probe.at(c)
+        seen.append(r["activation_ratio"])
+        return r["ppl_ratio"]
 
-    lower, upper, it = 0.0, 1.0, 0
-    while upper - lower > tol and it < max_iterations:
-        c = (lower + upper) / 2
-        _, _, rho = evaluate(c)
-        lower, upper = (c, upper) if rho < target_ratio else (lower, c)
-        it += 1
-    c = (lower + upper) / 2
-    th, ev, rho = evaluate(c)
-    return {"cett": c, "activation_ratio": ev["activation_ratio"],
-            "sparsity": 1.0 - ev["activation_ratio"], "thresholds": th,
-            "ppl_dense": math.exp(loss_dense), "ppl_sparse": math.exp(ev["loss"]), "ppl_ratio": rho,
-            "loss_dense": loss_dense, "loss_sparse": ev["loss"], "lower": lower, "upper": upper,
-            "iterations": it, "history": history[:-1]}
+    c, lower, upper, it, hist = _bisect(score, 1.0 + p / 100.0, tol, max_iterations)
+    r = probe.at(c)
+    return {"cett": c, "activation_ratio": r["activation_ratio"], "sparsity": 1.0 - r["activation_ratio"],
+            "thresholds": r["thresholds"], "ppl_dense": math.exp(probe.loss_dense),
+            "ppl_sparse": math.exp(r["loss_sparse"]), "ppl_ratio": r["ppl_ratio"],
+            "loss_dense": probe.loss_dense, "loss_sparse": r["loss_sparse"], "lower": lower,
+            "upper": upper, "iterations": it,
+            "history": [(c_, rho, a) for (c_, rho), a in zip(hist, seen)]}
+
+
+def cett_ppl_search_checkpoints(model: nn.Module, params_list: Sequence[Any], batches: Sequence[Batch], *,
+                                p: float = 1.0, tol: float = 1e-3, digits: int | None = 4,
+                                grid_size: int = GRID_SIZE, index_rule: str = "prev",
+                                wrap_at_zero: str = "wrap", max_iterations: int = 64) -> dict:
+    """One CETT for a whole training run, the Sparsing-Law authors' protocol (``calc_cett.py`` and
+    ``calc_sparsity.sh`` of thunlp/SparsingLaw): binary search over c in [0, 1] on the **mean**
+    over checkpoints (the reference passes the run's last 5) of each checkpoint's PPL ratio
+    exp(L_sparse - L_dense) at c, keeping the mean below 1 + p/100; tolerance 1e-3 as there. The
+    reference writes the result with 4 decimals and applies that rounded value to every
+    checkpoint; ``digits=4`` reproduces it (``None`` keeps the midpoint). Each checkpoint's
+    thresholds come from its own dense pass at c (thresholds differ by checkpoint, c does not).
+
+    Returns {"cett", "cett_unrounded", "mean_ppl_ratio" and "ppl_ratios" (per checkpoint) at
+    "cett", "iterations", "lower", "upper", "history" (list of (c, mean PPL ratio))}."""
+    _check_search(p, tol)
+    params_list = list(params_list)
+    if not params_list:
+        raise ValueError("cett_ppl_search_checkpoints needs at least one checkpoint's params")
+    probes = [CettProbe(model, pr, batches, grid_size=grid_size, index_rule=index_rule,
+                        wrap_at_zero=wrap_at_zero) for pr in params_list]
+
+    def score(c):
+        return float(np.mean([pb.at(c)["ppl_ratio"] for pb in probes]))
+
+    mid, lower, upper, it, hist = _bisect(score, 1.0 + p / 100.0, tol, max_iterations)
+    c = round(mid, digits) if digits is not None else mid
+    ratios = [pb.at(c)["ppl_ratio"] for pb in probes]
+    return {"cett": c, "cett_unrounded": mid, "mean_ppl_ratio": float(np.mean(ratios)),
+            "ppl_ratios": ratios, "iterations": it, "lower": lower, "upper": upper, "history": hist}
+
+
+def sparsity_at_cett(model: nn.Module, params, batches: Sequence[Batch], cett: float, *,
+                     grid_size: int = GRID_SIZE, index_rule: str = "prev", wrap_at_zero: str = "wrap") -> dict:
+    """A fixed target CETT applied to one checkpoint (the second half of the authors' protocol):
+    {"cett", "thresholds", "activation_ratio", "sparsity", "ppl_dense", "ppl_sparse", "ppl_ratio"}."""
+    probe = CettProbe(model, params, batches, grid_size=grid_size, index_rule=index_rule,
+                      wrap_at_zero=wrap_at_zero)
+    r = probe.at(cett)
+    return {"cett": cett, "thresholds": r["thresholds"], "activation_ratio": r["activation_ratio"],
+            "sparsity": 1.0 - r["activation_ratio"], "ppl_dense": math.exp(probe.loss_dense),
+            "ppl_sparse": math.exp(r["loss_sparse"]), "ppl_ratio": r["ppl_ratio"]}
 
 
 # ----------------------------------------------------------------------------- baselines
