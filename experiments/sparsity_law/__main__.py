@@ -218,17 +218,27 @@ def run_model(cfg, run_dir, exp, steps, batches, protocols):
 
 
 def fit_laws(rows) -> dict:
-    """{activation: fit dict or {"error": ...}} on the seed-mean points, D in billions of tokens."""
+    """{fit key of report.FIT_KEYS: fit dict or {"error": ...}} on the seed-mean points, D in
+    billions of tokens; ``swiglu_rising`` (with its ``from_step``) only when SiLU-GLU's minimum
+    leaves at least 4 points after it."""
     from icml_jax.analysis import sparsity as sp
     out = {}
-    for act, fit in (("relu_glu", sp.fit_relu_law), ("swiglu", sp.fit_silu_law)):
-        pts = [r for r in mean_rows(rows) if r["activation"] == act]
+    means = mean_rows(rows)
+    for key, act, fit in (("relu_glu", "relu_glu", sp.fit_relu_law), ("swiglu", "swiglu", sp.fit_silu_law),
+                          ("swiglu_rising", "swiglu", sp.fit_silu_law)):
+        pts = [r for r in means if r["activation"] == act]
+        extra = {}
+        if key == "swiglu_rising":
+            i = min(range(len(pts)), key=lambda j: pts[j]["activation_ratio"]) if pts else 0
+            if i == 0 or len(pts) - i < 4:
+                continue
+            pts, extra = pts[i:], {"from_step": pts[i]["step"]}
         if not pts:
             continue
         try:
-            out[act] = fit([r["tokens"] / 1e9 for r in pts], [r["activation_ratio"] for r in pts])
+            out[key] = {**fit([r["tokens"] / 1e9 for r in pts], [r["activation_ratio"] for r in pts]), **extra}
         except (ValueError, RuntimeError, FloatingPointError) as e:
-            out[act] = {"error": f"{type(e).__name__}: {e}"}
+            out[key] = {"error": f"{type(e).__name__}: {e}", **extra}
     return out
 
 

@@ -10,6 +10,10 @@ LABELS = {"relu_glu": "ReLU-GLU", "swiglu": "SiLU-GLU (SwiGLU)"}
 # results.csv columns (one row per activation x seed x protocol x checkpoint)
 FIELDS = ("activation", "seed", "protocol", "step", "tokens", "dense_ppl", "cett_slice_ppl_dense",
           "ppl_ratio", "cett", "activation_ratio", "sparsity", "gate_active", "thresholds")
+# the law fits of fits.json: key -> (activation, what the label adds); ``swiglu_rising`` is fitted to
+# SiLU-GLU's seed-mean points from their minimum on (the rising part after the early transient)
+FIT_KEYS = {"relu_glu": ("relu_glu", ""), "swiglu": ("swiglu", ""),
+            "swiglu_rising": ("swiglu", ", from its minimum on")}
 # cett.csv columns (one row per model of the fixed protocol)
 CETT_FIELDS = ("activation", "seed", "search_steps", "cett_full", "cett_half_a", "cett_half_b",
                "last_ratio_full", "last_ratio_half_a", "last_ratio_half_b", "mean_ppl_ratio", "search_upper")
@@ -117,12 +121,18 @@ def reading(rows, control_rows, cett_rows, fits) -> list:
            f"over {n} seeds); Spearman ρ(D, A) = {pm(*rl['spearman'][:2], nd=2)} over all checkpoints, "
            f"{pm(*rl['spearman_late'][:2], nd=2)} over the later half."]
     rise = sl["last"][0] >= sl["first"][0] and sl["spearman"][0] >= 0
-    out.append(f"* SiLU-GLU's ratio rises with data (paper): {verdict(rise)} here — {_pmp(sl['first'])} → "
-               f"{_pmp(sl['last'])}; Spearman ρ = {pm(*sl['spearman'][:2], nd=2)}, later half "
-               f"{pm(*sl['spearman_late'][:2], nd=2)}"
+    late = sig(sl["spearman_late"]) and sl["spearman_late"][0] > 0
+    curve = [r for r in mean_rows(rows) if r["activation"] == "swiglu"]
+    low = min(curve, key=lambda r: r["activation_ratio"])
+    out.append(f"* SiLU-GLU's ratio rises with data (paper): "
+               + (verdict(True) if rise else "**holds after an early transient**" if late else verdict(False))
+               + f" here — {_pmp(sl['first'])} → {_pmp(sl['last'])}; the seed-mean curve's minimum is "
+               f"{100 * low['activation_ratio']:.2f} ± {100 * low['ratio_se']:.2f}% at step {low['step']} "
+               f"({low['tokens']:,} tokens); Spearman ρ = {pm(*sl['spearman'][:2], nd=2)} over all checkpoints, "
+               f"{pm(*sl['spearman_late'][:2], nd=2)} over the later half"
                + ("" if sig(sl["spearman_late"]) is None else
-                  (" (later-half ρ more than 2 s.e. from 0)" if sig(sl["spearman_late"]) else
-                   " (later-half ρ within 2 s.e. of 0: no resolved trend late in training)")) + ".")
+                  (" (more than 2 s.e. from 0)" if sig(sl["spearman_late"]) else
+                   " (within 2 s.e. of 0: no resolved trend late in training)")) + ".")
     pp = lambda t: f"{100 * t[0]:.2f} pp"  # noqa: E731
     out.append(f"* Noise: between adjacent checkpoints the ratio moves by a median {pp(rl['median_step'])} "
                f"for ReLU-GLU and {pp(sl['median_step'])} for SiLU-GLU (mean over seeds).")
@@ -154,10 +164,18 @@ def reading(rows, control_rows, cett_rows, fits) -> list:
         out.append(f"* Stability of the one CETT per model: the two halves of the slice give CETTs "
                    f"{min(d):.4f}–{max(d):.4f} apart (median {sorted(d)[len(d) // 2]:.4f}), and last-checkpoint "
                    f"activation ratios {100 * min(dr):.2f}–{100 * max(dr):.2f} pp apart.")
-    for a in ACTIVATIONS:
-        bad = fit_problem(fits[a]) if a in fits else ""
+    for k, (a, extra) in FIT_KEYS.items():
+        bad = fit_problem(fits[k]) if k in fits else ""
         if bad:
-            out.append(f"* The {LABELS[a]} law fit is not usable ({bad}); its A₀ says nothing here.")
+            out.append(f"* The {LABELS[a]}{extra} law fit is not usable ({bad}); its A₀ says nothing here.")
+        elif k in fits:
+            pts = [r["activation_ratio"] for r in mean_rows(rows) if r["activation"] == a]
+            edge = min(pts) if a == "relu_glu" else max(pts)
+            if abs(fits[k]["A0"] / edge - 1) < 0.01:
+                out.append(f"* The {LABELS[a]}{extra} fit puts A₀ = {fits[k]['A0']:.2%} at the "
+                           f"{'lowest' if a == 'relu_glu' else 'highest'} measured ratio ({edge:.2%}), the "
+                           "bound of its form: the data do not resolve the asymptote, A₀ is "
+                           f"{'an upper' if a == 'relu_glu' else 'a lower'} bound on it.")
     return out
 
 
@@ -196,8 +214,8 @@ def markdown(rows, cett_rows, fits, meta) -> str:
           f"{r['gate_active']:.1%}", r["n"]] for r in mean_rows(main)]))
     lines += ["Activation ratio = fraction of neuron slots (layers × tokens) kept at the thresholds; sparsity = "
               "1 − ratio. PPL ratio = exp(L_sparse − L_dense) on the CETT slice at that CETT: with one CETT per "
-              "model, early checkpoints may pay more than 1% (the search bounds the mean over the last "
-              "ones). `act(gate) ≠ 0` = fraction with a nonzero gate activation before any threshold "
+              "model a single checkpoint may pay more or less than 1% (the search bounds the mean over "
+              "the last ones). `act(gate) ≠ 0` = fraction with a nonzero gate activation before any threshold "
               "(ReLU's natural sparsity; ≈ 100% for SiLU): the most neurons the exact decode-time sparse "
               "path of `icml_jax/models/sparse_ffn.py` has to gather. Every row per seed is in results.csv.", ""]
     if cett_rows:
@@ -222,15 +240,16 @@ def markdown(rows, cett_rows, fits, meta) -> str:
                     and m["seed"] == r["seed"] and m["step"] == r["step"]), "")] for r in control]))
     lines += ["## Fitted laws (seed-mean points, D in billions of tokens, as in the paper)", ""]
     frows = []
-    for a in ACTIVATIONS:
-        f = fits.get(a)
+    for k, (a, extra) in FIT_KEYS.items():
+        f = fits.get(k)
         if not f:
             continue
+        name = LABELS[a] + (f"{extra} (step {f['from_step']})" if "from_step" in f else extra)
         if "error" in f:
-            frows.append([LABELS[a], "fit failed", "", "", "", "", "", f["error"]])
+            frows.append([name, "fit failed", "", "", "", "", "", f["error"]])
             continue
         form = "exp(−c·D^α + b) + A₀" if a == "relu_glu" else "−c·D^(−α) + A₀"
-        frows.append([LABELS[a], form, f"{f['alpha']:.3g}", f"{f['b']:.3g}" if "b" in f else "—",
+        frows.append([name, form, f"{f['alpha']:.3g}", f"{f['b']:.3g}" if "b" in f else "—",
                       f"{f['c']:.3g}", f"{f['A0']:.2%}", f"{f['mae']:.2%}",
                       fit_problem(f) or "yes"])
     lines.append(markdown_table(["model", "law", "α", "b", "c", "A₀", "mean abs error", "of the law's form"],
@@ -289,16 +308,19 @@ def plots(rows, fits, workdir, protocol: str = "fixed") -> None:
             ax.plot([r["tokens"] for r in cp], [r["activation_ratio"] for r in cp], "x", color=colors[a],
                     alpha=0.5, label=f"{LABELS[a]} (search at each checkpoint, seed(s) "
                                      f"{sorted({r['seed'] for r in cp})})")
-        f = fits.get(a, {})
-        if f and "error" not in f:
-            grid = np.geomspace(D.min(), D.max(), 200)
+        for k in (k for k, (fa, _) in FIT_KEYS.items() if fa == a):
+            f = fits.get(k, {})
+            if not f or "error" in f:
+                continue
+            lo = next((r["tokens"] for r in pts if r["step"] == f.get("from_step")), D.min())
+            grid = np.geomspace(lo, D.max(), 200)
             y = (sp.relu_law(grid / 1e9, f["alpha"], f["b"], f["c"], f["A0"]) if a == "relu_glu"
                  else sp.silu_law(grid / 1e9, f["alpha"], f["c"], f["A0"]))
             ok = not fit_problem(f)
             note = "" if ok else " (flagged, see results.md)"
-            ax.plot(grid, y, "-" if ok else "--", color=colors[a], lw=1.5,
-                    label=f"{LABELS[a]} law fit, A₀ = {f['A0']:.1%}{note}")
-            if 0 < f["A0"] <= 1:
+            ax.plot(grid, y, ("-" if ok else "--") if "from_step" not in f else "-.", color=colors[a], lw=1.5,
+                    label=f"{LABELS[a]} law fit{FIT_KEYS[k][1]}, A₀ = {f['A0']:.1%}{note}")
+            if ok and 0 < f["A0"] <= 1:
                 ax.axhline(f["A0"], color=colors[a], ls=":", lw=1)
     ratios = [r["activation_ratio"] for r in means + control]
     ax.set_yscale("log")

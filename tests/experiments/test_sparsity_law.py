@@ -7,7 +7,7 @@ import os
 import pytest
 
 from experiments.sparsity_law.__main__ import eval_steps, load_params, main
-from experiments.sparsity_law.report import ACTIVATIONS, FIELDS
+from experiments.sparsity_law.report import ACTIVATIONS, FIELDS, FIT_KEYS, mean_rows
 
 
 def test_eval_steps_are_log_spaced_checkpoints():
@@ -92,7 +92,12 @@ def test_sparsity_law_tiny(tmp_path, monkeypatch):
     # main table, the CETT table, the control table
     assert md.count("| relu_glu |") == 2 * len(steps) + 1 and md.count("| swiglu |") == 2 * len(steps) + 1
     fits = json.load(open(os.path.join(wd, "fits.json")))
-    assert set(fits) == set(ACTIVATIONS) and set(out["fits"]) == set(ACTIVATIONS)
+    assert set(ACTIVATIONS) <= set(fits) <= set(FIT_KEYS) and fits == json.loads(json.dumps(out["fits"]))
+    silu = [r for r in mean_rows([r for r in out["rows"] if r["protocol"] == "fixed"]) if r["activation"] == "swiglu"]
+    low = min(range(len(silu)), key=lambda i: silu[i]["activation_ratio"])
+    assert ("swiglu_rising" in fits) == (0 < low <= len(silu) - 4)  # fitted from the minimum on
+    if "swiglu_rising" in fits:
+        assert fits["swiglu_rising"]["from_step"] == silu[low]["step"]
     for name in ("activation_ratio_vs_tokens.png", "dense_ppl_vs_tokens.png"):
         with open(os.path.join(wd, name), "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n", name
