@@ -60,6 +60,7 @@ bench: $(FULL_STAMP)
 	$(PY) -m benchmarks.position_cost
 	$(PY) -m benchmarks.rmt_cost
 	$(PY) -m benchmarks.sparse_ffn
+	$(PY) -m benchmarks.compile_time
 
 clean:
 	rm -rf $(VENV) runs

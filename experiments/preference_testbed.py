@@ -264,7 +264,7 @@ def build_testbed(workdir: str, preset_cfg: dict) -> dict:
 
 
 def main(argv=None) -> dict:
-    xla_env.use_default_flags()  # before the first JAX computation (kept if set)
+    xla_env.use_defaults()  # flags and compilation cache, before the first JAX computation (kept if set)
     p = argparse.ArgumentParser(description="build the shared preference testbed (VADER gold)")
     p.add_argument("--workdir", required=True)
     p.add_argument("--preset", default="default", choices=sorted(PRESETS))

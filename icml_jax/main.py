@@ -44,7 +44,7 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     logs.show_own_logs()  # icml_jax's own lines at INFO; orbax & co. from WARNING
-    xla_env.use_default_flags()  # before the first JAX computation
+    xla_env.use_defaults()  # flags and compilation cache, before the first JAX computation
     from icml_jax.train import distributed
 
     try:

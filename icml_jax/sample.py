@@ -75,6 +75,7 @@ def run(argv_flags) -> list[str]:
                 f"prompt {p[:40]!r}... is {len(e)} tokens; with --max_new_tokens={f.max_new_tokens} "
                 f"that exceeds the model's max_seq_len={model_cfg.max_seq_len}; shorten the prompt or "
                 "lower --max_new_tokens")
+    xla_env.use_compilation_cache()  # imports JAX: only once the inputs are known to be good
     if f.checkpoint:
         params, step = workdir_lib.latest_params(f.checkpoint, model_cfg)
         where = f"{f.checkpoint} step {step}"
@@ -106,7 +107,7 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     logs.show_own_logs(others=std_logging.ERROR)  # orbax logs restores at INFO/WARNING
-    xla_env.use_default_flags()  # before the first JAX computation
+    xla_env.use_default_flags()  # before the first JAX computation (the cache: once the inputs are checked)
     try:
         run(FLAGS)
     except (SampleError, workdir_lib.WorkdirError, FileNotFoundError) as e:

@@ -1,6 +1,7 @@
-"""The XLA flags icml_jax's entry points choose. Importing icml_jax changes nothing; the CLI
-(``icml_jax.main``, ``icml_jax.sample``), the experiments and the benchmarks call
-:func:`use_default_flags` before their first JAX computation. A library user opts in the same way.
+"""The XLA settings icml_jax's entry points choose. Importing icml_jax changes nothing; the CLI
+(``icml_jax.main``, ``icml_jax.sample``) and the experiments call :func:`use_defaults` (the flags
+and a persistent compilation cache) before their first JAX computation, the benchmarks
+:func:`use_default_flags` only (they measure compile time). A library user opts in the same way.
 
 The one flag today is for the CPU backend (GPU/TPU backends ignore ``xla_cpu_*`` flags): with
 jax 0.10.2's defaults, the dots of our train step go through YNNPACK fusions, which ran
@@ -50,3 +51,61 @@ def use_default_flags(environ=None) -> bool:
         warnings.warn("icml_jax.xla_env.use_default_flags() ran after JAX's backend started; "
                       "XLA_FLAGS takes effect in the next process", stacklevel=2)
     return True
+
+
+# ----------------------------------------------------------------------------- compilation cache
+
+CACHE_ENV = "ICML_JAX_COMPILATION_CACHE"  # a folder, or "off"
+CACHE_MIN_SECS_ENV = "ICML_JAX_CACHE_MIN_COMPILE_SECS"
+# JAX writes only executables that took at least this long to compile (its own default is 1 s,
+# which on this 2-core CPU skips almost every program of a small model; see docs/architecture.md)
+CACHE_MIN_COMPILE_SECS = 0.1
+
+
+def default_cache_dir(environ=None) -> str:
+    """``$XDG_CACHE_HOME/icml_jax/jax_cache`` (``~/.cache/...`` when XDG_CACHE_HOME is unset)."""
+    environ = os.environ if environ is None else environ
+    root = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "icml_jax", "jax_cache")
+
+
+def use_compilation_cache(environ=None) -> str | None:
+    """Turns on JAX's persistent compilation cache, so a second run of the same program loads its
+    compiled executables from disk instead of compiling them again. Returns the folder, or None
+    when it is off. The folder is ``$ICML_JAX_COMPILATION_CACHE`` (``off`` disables the cache), else
+    :func:`default_cache_dir`; executables that compiled faster than
+    ``$ICML_JAX_CACHE_MIN_COMPILE_SECS`` (default :data:`CACHE_MIN_COMPILE_SECS`) are not stored.
+    A cache the user configured for JAX itself (``JAX_COMPILATION_CACHE_DIR``, or
+    ``jax.config.jax_compilation_cache_dir``) is left as it is, with JAX's threshold."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get(CACHE_MIN_SECS_ENV, "").strip() or str(CACHE_MIN_COMPILE_SECS)
+    try:
+        secs = float(raw)
+    except ValueError:
+        secs = float("nan")
+    if not secs >= 0:
+        raise ValueError(f"{CACHE_MIN_SECS_ENV}={raw!r} is not a number of seconds >= 0; e.g. "
+                         f"{CACHE_MIN_SECS_ENV}=0.1 (0 stores every executable)")
+    import jax  # importing jax starts no backend
+    if environ.get("JAX_COMPILATION_CACHE_DIR") or jax.config.jax_compilation_cache_dir:
+        return jax.config.jax_compilation_cache_dir or environ["JAX_COMPILATION_CACHE_DIR"]
+    path = environ.get(CACHE_ENV, "").strip()
+    if path.lower() == "off":
+        return None
+    path = os.path.abspath(os.path.expanduser(path or default_cache_dir(environ)))
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        warnings.warn(f"compilation cache off: cannot create {path} ({e}); set {CACHE_ENV} to a "
+                      f"writable folder or to 'off'", stacklevel=2)
+        return None
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", secs)
+    return path
+
+
+def use_defaults() -> str | None:
+    """What the CLI and the experiments set before their first JAX computation:
+    :func:`use_default_flags` and :func:`use_compilation_cache` (returns its folder)."""
+    use_default_flags()
+    return use_compilation_cache()

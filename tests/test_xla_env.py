@@ -36,3 +36,33 @@ def test_importing_the_package_changes_no_environment_variable():
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_entry_points_turn_on_the_compilation_cache_unless_configured(tmp_path):
+    """``use_defaults`` stores compiled executables in ``$ICML_JAX_COMPILATION_CACHE`` (a second
+    run loads them); ``off`` and a cache configured for JAX itself are respected; a bad threshold
+    is a one-line error."""
+    import pytest
+    with pytest.raises(ValueError, match="ICML_JAX_CACHE_MIN_COMPILE_SECS='-1' is not a number"):
+        xla_env.use_compilation_cache({xla_env.CACHE_MIN_SECS_ENV: "-1"})
+    assert xla_env.default_cache_dir({"XDG_CACHE_HOME": "/x"}) == "/x/icml_jax/jax_cache"
+    mine = str(tmp_path / "jax_own")  # a cache configured for JAX itself
+    code = ("import os, sys, jax, jax.numpy as jnp\n"
+            "from icml_jax import xla_env\n"
+            "got = xla_env.use_defaults()\n"
+            "print(got)\n"
+            "jax.jit(lambda x: jnp.tanh(x @ x.T).sum())(jnp.ones((64, 64))).block_until_ready()\n")
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COMPILATION_CACHE",
+                                                                      "JAX_PERSISTENT_CACHE"))}
+    cache = tmp_path / "cache"
+    runs = {}
+    for name, extra in (("on", {xla_env.CACHE_ENV: str(cache), xla_env.CACHE_MIN_SECS_ENV: "0"}),
+                        ("off", {xla_env.CACHE_ENV: "off", "XDG_CACHE_HOME": str(tmp_path / "xdg")}),
+                        ("jax", {"JAX_COMPILATION_CACHE_DIR": mine, xla_env.CACHE_ENV: str(cache) + "_no"})):
+        out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env={**base, **extra},
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        runs[name] = out.stdout.split()[-1]
+    assert runs["on"] == str(cache) and any(cache.iterdir())  # executables were written
+    assert runs["off"] == "None" and not (tmp_path / "xdg").exists()
+    assert runs["jax"] == mine and not os.path.exists(str(cache) + "_no")

@@ -49,7 +49,7 @@ from icml_jax import xla_env
 
 
 def main(argv=None) -> dict:
-    xla_env.use_default_flags()  # before the first JAX computation (kept if set)
+    xla_env.use_defaults()  # flags and compilation cache, before the first JAX computation (kept if set)
     exps = presets()
     p = argparse.ArgumentParser(description="BT vs BT+BSR reward-model robustness (docs/methods/bsr.md)")
     p.add_argument("--workdir", required=True)

@@ -405,7 +405,7 @@ def plots(stats, methods, L, exp, workdir):
 
 
 def main(argv=None):
-    xla_env.use_default_flags()  # before the first JAX computation (kept if set)
+    xla_env.use_defaults()  # flags and compilation cache, before the first JAX computation (kept if set)
     p = argparse.ArgumentParser(description="FoPE length-generalisation experiment")
     p.add_argument("--workdir", required=True)
     p.add_argument("--preset", default="default", choices=sorted(PRESETS))

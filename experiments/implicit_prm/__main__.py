@@ -118,7 +118,7 @@ def run(exp, workdir, timing):
 
 
 def main(argv=None):
-    xla_env.use_default_flags()  # before the first JAX computation (kept if set)
+    xla_env.use_defaults()  # flags and compilation cache, before the first JAX computation (kept if set)
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(description="Implicit PRM on the arithmetic testbed")
     p.add_argument("--workdir", required=True)

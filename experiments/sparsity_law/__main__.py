@@ -250,7 +250,7 @@ def _int_list(text, flag):
 
 
 def main(argv=None):
-    xla_env.use_default_flags()  # before the first JAX computation (kept if set)
+    xla_env.use_defaults()  # flags and compilation cache, before the first JAX computation (kept if set)
     p = argparse.ArgumentParser(description="Sparsing Law: activation ratio vs tokens, ReLU-GLU vs SiLU-GLU")
     p.add_argument("--workdir", required=True)
     p.add_argument("--preset", default="default", choices=sorted(PRESETS))

@@ -73,7 +73,7 @@ __all__ = ["CSV_FIELDS", "PRESETS", "main", "per_prompt_win", "win_rate"]
 
 
 def main(argv=None):
-    xla_env.use_default_flags()  # before the first JAX computation (kept if set)
+    xla_env.use_defaults()  # flags and compilation cache, before the first JAX computation (kept if set)
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(
         description="TGDPO vs DPO on the sentiment testbed or the token-additive world")
