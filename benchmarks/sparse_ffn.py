@@ -51,13 +51,17 @@ def experiment_sparsity() -> dict:
     (share of neurons with relu(gate) = 0, what the exact path can skip), "source"}; the paper's
     93.52% (and no gate figure) when the experiment has no results."""
     if os.path.exists(EXPERIMENT_CSV):
-        with open(EXPERIMENT_CSV) as f:
-            rows = [r for r in csv.DictReader(f) if r["activation"] == "relu_glu"]
+        with open(EXPERIMENT_CSV) as f:  # the main protocol's rows (one CETT per model), all seeds
+            rows = [r for r in csv.DictReader(f) if r["activation"] == "relu_glu"
+                    and r.get("protocol", "fixed") == "fixed"]
         if rows:
-            last = max(rows, key=lambda r: int(r["step"]))
-            gate = 1 - float(last["gate_active"]) if last.get("gate_active") else None
-            return dict(sparsity=float(last["sparsity"]), gate_sparsity=gate,
-                        source=f"experiments/sparsity_law/results/results.csv, ReLU-GLU step {last['step']}")
+            step = max(int(r["step"]) for r in rows)
+            last = [r for r in rows if int(r["step"]) == step]
+            mean = lambda k: sum(float(r[k]) for r in last) / len(last)  # noqa: E731
+            gate = 1 - mean("gate_active") if all(r.get("gate_active") for r in last) else None
+            return dict(sparsity=mean("sparsity"), gate_sparsity=gate,
+                        source=f"experiments/sparsity_law/results/results.csv, ReLU-GLU step {step}, "
+                               f"mean of {len(last)} seed(s)")
     return dict(sparsity=DEFAULT_SPARSITY, gate_sparsity=None,
                 source="default (paper's 93.52%; no experiment results found)")
 
@@ -187,7 +191,8 @@ def random_batch(cfg, B: int, T: int, seed: int) -> dict:
                 segment_ids=jnp.ones((B, T), jnp.int32))
 
 
-def bench_decode(D: int, F: int, L: int, gate_active: float, tokens: int, repeats: int) -> dict:
+def bench_decode(D: int, F: int, L: int, gate_active: float, tokens: int, repeats: int,
+                 quantile: float = 0.95) -> dict:
     """Batch-1 greedy ``generate`` tokens/s: dense vs CETT-masked dense vs the gathered sparse path."""
     import time
 
@@ -211,14 +216,16 @@ def bench_decode(D: int, F: int, L: int, gate_active: float, tokens: int, repeat
                                 temperature=0, **kw)
     probe = run(sparsity=tree, sparse_capacity=F, return_sparse_stats=True)
     cand = probe.sparse_stats["candidates"]
-    # the candidate count is heavy-tailed: size for the mean (25% slack) and let the rare large
-    # steps fall back to dense, rather than gather a tail-sized set at every step
-    capacity = sf.capacity_for(float(cand.mean()) / F, F)
+    # two capacity policies: sized for the mean count (25% slack; the heavy-tailed steps fall back
+    # to dense) and for the quantile of the observed counts (few fallbacks, more rows gathered)
+    caps = {"sparse": sf.capacity_for(float(cand.mean()) / F, F),
+            "sparse_q": sf.capacity_from_counts(cand, F, quantile=quantile)}
     setup_s = time.perf_counter() - t0
     variants = {"dense": {}, "dense_masked": dict(sparsity=tree),
-                "sparse": dict(sparsity=tree, sparse_capacity=capacity)}
+                **{k: dict(sparsity=tree, sparse_capacity=c) for k, c in caps.items()}}
     outs = {k: run(return_logits=True, **kw) for k, kw in variants.items()}  # warm-up = compile
-    stats = run(sparsity=tree, sparse_capacity=capacity, return_sparse_stats=True).sparse_stats
+    gathered = {k: float(run(sparsity=tree, sparse_capacity=c, return_sparse_stats=True).sparse_stats["sparse"].mean())
+                for k, c in caps.items()}
     times = {k: median_time(lambda kw=kw: run(**kw), repeats) for k, kw in variants.items()}
     return dict(
         d_model=D, ffn_dim=F, num_layers=L, vocab_size=cfg.vocab_size, prompt_len=PROMPT_LEN,
@@ -226,11 +233,14 @@ def bench_decode(D: int, F: int, L: int, gate_active: float, tokens: int, repeat
         gate_active=made["gate_active"], cett=search["cett"], thresholds=search["thresholds"],
         activation_ratio=search["activation_ratio"], sparsity=search["sparsity"], ppl_ratio=search["ppl_ratio"],
         candidate_ratio=float(cand.mean() / F), kept_ratio=float(probe.sparse_stats["kept"].mean() / F),
-        capacity=capacity, gathered_share=float(stats["sparse"].mean()),
+        candidate_quantiles={f"q{q}": float(np.quantile(cand, q / 100)) for q in (50, 90, 95, 99)},
+        capacity=caps["sparse"], capacity_quantile=quantile, capacity_q=caps["sparse_q"],
+        gathered_share=gathered["sparse"], gathered_share_q=gathered["sparse_q"],
         tokens_per_s={k: tokens / v for k, v in times.items()},
         speedup_vs_dense={k: times["dense"] / v for k, v in times.items()},
-        same_tokens_sparse_vs_masked=bool((outs["sparse"].tokens == outs["dense_masked"].tokens).all()),
-        max_abs_logit_diff_sparse_vs_masked=float(np.abs(outs["sparse"].logits - outs["dense_masked"].logits).max()),
+        same_tokens_sparse_vs_masked=all(bool((outs[k].tokens == outs["dense_masked"].tokens).all()) for k in caps),
+        max_abs_logit_diff_sparse_vs_masked=max(float(np.abs(outs[k].logits - outs["dense_masked"].logits).max())
+                                                for k in caps),
         setup_s=setup_s)
 
 
@@ -244,6 +254,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--decode_repeats", type=int, default=3)
     ap.add_argument("--decode_gate_active", type=float, default=0.12)
     ap.add_argument("--skip_kernel", action="store_true", help="only the decode rows (a quick look)")
+    ap.add_argument("--capacity_quantile", type=float, default=0.95,
+                    help="the decode rows' second capacity policy: this quantile of the candidate counts")
     args = ap.parse_args(argv)
     import jax
 
@@ -266,13 +278,16 @@ def main(argv=None) -> dict:
                   f"({sp['predictor_bound']:.2f}x)", flush=True)
     for dims in filter(None, args.decode.split(",")):
         D, F, L = (int(v) for v in dims.lower().split("x"))
-        r = bench_decode(D, F, L, args.decode_gate_active, args.decode_tokens, args.decode_repeats)
+        r = bench_decode(D, F, L, args.decode_gate_active, args.decode_tokens, args.decode_repeats,
+                         args.capacity_quantile)
         decode_rows.append(r)
         tps = r["tokens_per_s"]
         print(f"decode D={D} F={F} L={L}: CETT sparsity {r['sparsity']:.2%} (candidates {r['candidate_ratio']:.2%}, "
               f"capacity {r['capacity']}, gathered {r['gathered_share']:.0%} of steps): dense {tps['dense']:.1f} "
               f"tok/s, masked {tps['dense_masked']:.1f}, sparse {tps['sparse']:.1f} "
-              f"({r['speedup_vs_dense']['sparse']:.2f}x)", flush=True)
+              f"({r['speedup_vs_dense']['sparse']:.2f}x); quantile capacity {r['capacity_q']} (gathered "
+              f"{r['gathered_share_q']:.0%}): {tps['sparse_q']:.1f} tok/s ({r['speedup_vs_dense']['sparse_q']:.2f}x)",
+              flush=True)
     env = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), machine=platform.machine(),
                cpus=os.cpu_count(), python=sys.version.split()[0], jax=jax.__version__,
                backend=jax.default_backend(), xla_flags=os.environ.get("XLA_FLAGS", ""),
@@ -341,18 +356,29 @@ def _decode_markdown(report: dict) -> list:
         f"{PROMPT_LEN}-token prompt included). RANDOM-weight `relu_glu` decoders made ReLU-sparse (embedding "
         "offset direction, gate columns shifted against it; see the module docstring), thresholds from "
         "`cett_ppl_search(p=1%)`. `masked` = the same thresholds with `sparse_capacity=0` (the masked dense "
-        "MLP); `sparse` = the gathered decode path with the stated capacity (dense fallback above it).", "",
-        "| D × F × L | new tokens | positive gates | CETT sparsity (PPL ratio) | candidates | capacity "
-        "| gathered steps | dense tok/s | masked tok/s | sparse tok/s | sparse speed-up | same tokens | max logit diff |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        "MLP); `sparse` = the gathered decode path (dense fallback above its capacity), with the capacity "
+        "sized for the mean candidate count × 1.25 (`capacity_for`) or for a quantile of the counts of a "
+        "calibration run (`capacity_from_counts`). Same prompt and greedy decoding in every column.", "",
+        "| D × F × L | new tokens | positive gates | CETT sparsity (PPL ratio) | candidates (median / q95 / q99) "
+        "| capacity policy | capacity | gathered steps | dense tok/s | masked tok/s | sparse tok/s | sparse speed-up "
+        "| same tokens | max logit diff |",
+        "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in report["decode"]:
         t = r["tokens_per_s"]
-        lines.append(
-            f"| {r['d_model']} × {r['ffn_dim']} × {r['num_layers']} | {r['new_tokens']} | {r['gate_active']:.1%} "
-            f"| {r['sparsity']:.1%} ({r['ppl_ratio']:.3f}) | {r['candidate_ratio']:.1%} | {r['capacity']} "
-            f"| {r['gathered_share']:.0%} | {t['dense']:.1f} | {t['dense_masked']:.1f} | {t['sparse']:.1f} "
-            f"| **{r['speedup_vs_dense']['sparse']:.2f}×** | {r['same_tokens_sparse_vs_masked']} "
-            f"| {r['max_abs_logit_diff_sparse_vs_masked']:.1e} |")
+        F = r["ffn_dim"]
+        cq = r.get("candidate_quantiles", {})
+        qs = " / ".join(f"{cq[k] / F:.1%}" for k in ("q50", "q95", "q99") if k in cq)
+        for key, name, cap, g in (("sparse", "mean × 1.25", r["capacity"], r["gathered_share"]),
+                                  ("sparse_q", f"q{r.get('capacity_quantile', 0.95):g} of counts",
+                                   r.get("capacity_q"), r.get("gathered_share_q"))):
+            if key not in t:
+                continue
+            lines.append(
+                f"| {r['d_model']} × {F} × {r['num_layers']} | {r['new_tokens']} | {r['gate_active']:.1%} "
+                f"| {r['sparsity']:.1%} ({r['ppl_ratio']:.3f}) | {r['candidate_ratio']:.1%} mean ({qs}) | {name} "
+                f"| {cap} | {g:.0%} | {t['dense']:.1f} | {t['dense_masked']:.1f} | {t[key]:.1f} "
+                f"| **{r['speedup_vs_dense'][key]:.2f}×** | {r['same_tokens_sparse_vs_masked']} "
+                f"| {r['max_abs_logit_diff_sparse_vs_masked']:.1e} |")
     lines += ["", "Candidates = mean share of neurons the exact path must gather (positive gate and not ruled "
               "out by the Cauchy-Schwarz bound); the gate projection, attention and unembedding stay dense, so "
               "the end-to-end gain is below the FFN-only one above.", ""]

@@ -236,3 +236,19 @@ def capacity_for(ratio: float, F: int, margin: float = 1.25, multiple: int = 8) 
     """A capacity for an expected candidate ratio: ``margin`` x ratio x F, rounded up to a multiple."""
     c = int(-(-ratio * margin * F // multiple) * multiple)
     return max(multiple, min(F, c))
+
+
+def capacity_from_counts(counts, F: int, quantile: float = 0.95, multiple: int = 8) -> int:
+    """A capacity from observed candidate counts (e.g. ``generate(..., return_sparse_stats=True)``'s
+    ``sparse_stats["candidates"]`` of a calibration run with capacity F, one count per decode step
+    and MLP): their ``quantile`` rounded up to a multiple of ``multiple``, within [multiple, F].
+    The counts are heavy-tailed, so a capacity sized for the mean overflows (and falls back to the
+    dense MLP) on many steps; this one overflows on at most 1 - quantile of the observed ones."""
+    import numpy as np
+    c = np.asarray(counts).ravel()
+    if not c.size:
+        raise ValueError("capacity_from_counts needs at least one observed candidate count")
+    if not 0 < quantile <= 1:
+        raise ValueError(f"quantile must be in (0, 1]; got {quantile}")
+    q = float(np.quantile(c, quantile, method="higher"))
+    return max(multiple, min(F, int(-(-q // multiple) * multiple)))

@@ -148,6 +148,17 @@ class SparseFFNTest(parameterized.TestCase):
         assert sf.capacity_for(1.0, 512) == 512
         assert sf.capacity_for(0.0, 512) == 8
 
+    def test_capacity_from_counts_covers_the_quantile(self):
+        rng = np.random.default_rng(0)
+        counts = np.minimum(rng.pareto(1.5, size=(200, 4)) * 60 + 40, 4096).astype(int)  # heavy tail
+        cap = sf.capacity_from_counts(counts, 4096, quantile=0.95)
+        assert cap % 8 == 0 and np.mean(counts > cap) <= 0.05 and np.mean(counts > cap - 8) > 0.0
+        mean_cap = sf.capacity_for(counts.mean() / 4096, 4096)
+        assert np.mean(counts > mean_cap) > 0.05  # the mean-sized capacity overflows more often
+        assert sf.capacity_from_counts([5000], 4096) == 4096 and sf.capacity_from_counts([0], 512) == 8
+        with pytest.raises(ValueError, match="quantile"):
+            sf.capacity_from_counts(counts, 4096, quantile=0)
+
 
 # ----------------------------------------------------------------------------- as a decoding path
 
