@@ -4,8 +4,9 @@ Run (any JSONL corpus, one string per row; the experiment writes one from a synt
   python -m icml_jax.main --config=configs/precision_recall.py:default --workdir=runs/pr_nll \
       --config.data.path=corpus.jsonl
   ... --config.loss.type=pr_hinge --config.loss.pr_lambda=0.1 --config.loss.pr_mix_nll=0.1
-The experiment (NLL + temperature vs PR losses, exact precision/recall on a Markov mixture):
-  python -m experiments.precision_recall --workdir=runs/pr [--preset=tiny|default]
+The experiment (NLL + temperature vs PR losses, exact precision/recall on a Zipf source of random
+strings, or on a Markov mixture with its ``markov`` preset):
+  python -m experiments.precision_recall --workdir=runs/pr [--preset=tiny|default|markov]
 
 ``config.loss``:
   type        nll | pr_hinge  (pr_hinge = the spec's candidate L_lambda = min(lambda,1) - min(lambda, q_y);
