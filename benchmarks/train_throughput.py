@@ -116,36 +116,45 @@ def _lm_task(config):
         return task, False
 
 
-def child_ours(spec: dict) -> dict:
+def compiled_train_step(config, B: int):
+    """The trainer's step for ``config`` on a synthetic [B, seq_len] batch, compiled exactly as
+    ``train_and_evaluate`` builds it (sharded state, donated): (compiled, state, batch, compile s)."""
     import warnings
     import flax.linen as nn
     import jax
     import jax.numpy as jnp
-    from icml_jax.analysis.flops import param_count, train_flops_per_token
     from icml_jax import sharding as mesh_lib
     from icml_jax.train.optimizer import make_optimizer
     from icml_jax.train.trainer import create_sharded_state, make_train_step
     warnings.filterwarnings("ignore", category=DeprecationWarning)  # `with mesh:` as the trainer does
-
-    config = _preset_config(spec["preset"])
-    B, T = spec["batch"], config.data.seq_len
+    T = config.data.seq_len
     toks = _synthetic_tokens(B, T, config.model.vocab_size)
     batch = {"inputs": jnp.asarray(toks[:, :-1]), "targets": jnp.asarray(toks[:, 1:]),
              "segment_ids": jnp.ones((B, T), jnp.int32),
              "positions": jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))}
-    rss0 = _maxrss_bytes()
-    task, with_tokenizer = _lm_task(config)
+    task, _ = _lm_task(config)
     mesh, rules = mesh_lib.make_mesh(config.mesh), mesh_lib.logical_rules(config.mesh)
     tx = make_optimizer(config.train)
     state, shardings = create_sharded_state(task, tx, config, mesh, rules)
     batch_sharding = mesh_lib.batch_sharding(mesh)
     batch = jax.device_put(batch, batch_sharding)
-    with mesh, nn.logical_axis_rules(rules):  # exactly as train_and_evaluate builds its step
+    with mesh, nn.logical_axis_rules(rules):
         step = jax.jit(make_train_step(task, tx, 1), in_shardings=(shardings, batch_sharding),
                        out_shardings=(shardings, None), donate_argnums=0)
     t0 = time.perf_counter()
     compiled = step.lower(state, batch).compile()
-    compile_s = time.perf_counter() - t0
+    return compiled, state, batch, time.perf_counter() - t0
+
+
+def child_ours(spec: dict) -> dict:
+    import jax
+    from icml_jax.analysis.flops import param_count, train_flops_per_token
+
+    config = _preset_config(spec["preset"])
+    B, T = spec["batch"], config.data.seq_len
+    rss0 = _maxrss_bytes()
+    with_tokenizer = _lm_task(config)[1]
+    compiled, state, batch, compile_s = compiled_train_step(config, B)
     mem = compiled.memory_analysis()
     box = {"state": state}
 

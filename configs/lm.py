@@ -48,6 +48,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.fope.dout_divisor = 4  # D_out = min(D_in, head_dim // dout_divisor)
     c.model.qkv_bias = False  # Qwen2-style biases on the q/k/v projections
     c.model.sliding_window = 0  # 0 = off; else a key is visible only if q_pos - k_pos < window
+    # softmax attention: "einsum" (ours, float32 logits), "xla" (jax.nn.dot_product_attention's XLA
+    # path, same numbers) or "cudnn" (its cuDNN flash-attention kernel; NVIDIA GPUs, bf16/fp16)
+    c.model.attention_impl = "einsum"
     c.model.mlp = ml_collections.ConfigDict()
     # registry icml_jax.models.mlp: swiglu | relu_glu | relu | relu2 | gelu | gelu_tanh
     c.model.mlp.activation = "swiglu"

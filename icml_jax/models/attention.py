@@ -19,6 +19,8 @@ from icml_jax.models.layers import constrain, get_dtype, param, upcast
 from icml_jax.models.positions import POSITIONS
 
 NEG_INF = -1e30
+# config.model.attention_impl -> jax.nn.dot_product_attention's ``implementation`` (None: ours)
+ATTENTION_IMPLS = {"einsum": None, "xla": "xla", "cudnn": "cudnn"}
 
 
 def attention_mask(q_seg_BT, k_seg_BS, q_idx_BT, k_idx_BS, q_pos_BT=None, k_pos_BS=None,
@@ -73,6 +75,10 @@ class Attention(nn.Module):
             raise ValueError(f"config.model.num_heads={c.num_heads} must be a multiple of "
                              f"config.model.num_kv_heads={c.num_kv_heads}")
         G, R, K = c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim
+        impl = c.get("attention_impl", "einsum")
+        if impl not in ATTENTION_IMPLS:
+            raise ValueError(f"config.model.attention_impl={impl!r}; choose one of {sorted(ATTENTION_IMPLS)}")
+        self.impl = ATTENTION_IMPLS[impl]
         pdt = get_dtype(c.param_dtype, "config.model.param_dtype")
         init = nn.initializers.normal(c.init_std)
         self.dtype = get_dtype(c.dtype)
@@ -98,8 +104,17 @@ class Attention(nn.Module):
         return q_BTGRK, qkv_BTGCK[:, :, :, R], qkv_BTGCK[:, :, :, R + 1]
 
     def attend(self, q_BTGRK, k_BSGK, v_BSGK, mask_BTS, bias=None):
-        """Softmax attention in float32 logits; returns [B, T, G, R, K] in the compute dtype."""
-        K = q_BTGRK.shape[-1]
+        """Softmax attention in float32 logits; returns [B, T, G, R, K] in the compute dtype.
+        With ``attention_impl`` "xla" / "cudnn", ``jax.nn.dot_product_attention`` computes it
+        (query head g*R + r uses kv head g there too; the mask and bias are passed as [B, 1, T, S]
+        and [B, G*R, T, S])."""
+        B, T, G, R, K = q_BTGRK.shape
+        if self.impl is not None:
+            S = k_BSGK.shape[1]
+            b = None if bias is None else jnp.broadcast_to(bias, (B, G, R, T, S)).reshape(B, G * R, T, S)
+            o = jax.nn.dot_product_attention(q_BTGRK.reshape(B, T, G * R, K), k_BSGK, v_BSGK, bias=b,
+                                             mask=mask_BTS[:, None], implementation=self.impl)
+            return o.reshape(B, T, G, R, K)
         logits = upcast(jnp.einsum("BTGRK,BSGK->BGRTS", q_BTGRK, k_BSGK))
         logits = logits * (K ** -0.5)
         if bias is not None:

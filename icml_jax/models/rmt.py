@@ -97,6 +97,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
             raise ValueError(f"unknown config.model.rmt.{key}={val!r}; choose one of {list(ok)}")
     if r.key_dim <= 0:
         raise ValueError(f"config.model.rmt.key_dim must be positive, got {r.key_dim}")
+    if c.get("attention_impl", "einsum") != "einsum":
+        raise ValueError(f"residual='rmt' has its own attention; config.model.attention_impl="
+                         f"{c.attention_impl!r} would be ignored: leave it at 'einsum'")
 
 
 def validate_for_training(c: ml_collections.ConfigDict) -> None:

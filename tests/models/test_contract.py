@@ -88,6 +88,10 @@ def test_rmt_refuses_a_position_it_would_ignore():
     c.model.position = "fope"
     with pytest.raises(ValueError, match="config.model.position='fope' would be ignored"):
         contract.validate(c.model)
+    c.model.position = "alibi"
+    c.model.attention_impl = "cudnn"  # the RMT's own attention would not use it
+    with pytest.raises(ValueError, match="attention_impl='cudnn' would be ignored"):
+        contract.validate(c.model)
 
 
 def test_rope_refuses_an_odd_head_dim_and_the_rmt_does_not_ask():
