@@ -107,11 +107,14 @@ class Attention(nn.Module):
         """Softmax attention in float32 logits; returns [B, T, G, R, K] in the compute dtype.
         With ``attention_impl`` "xla" / "cudnn", ``jax.nn.dot_product_attention`` computes it
         (query head g*R + r uses kv head g there too; the mask and bias are passed as [B, 1, T, S]
-        and [B, G*R, T, S])."""
+        and [B, G*R, T, S]; cuDNN turns the mask into an additive bias, so packed documents and
+        sliding windows work there too, at the cost of reading a [B, 1, T, S] bias)."""
         B, T, G, R, K = q_BTGRK.shape
         if self.impl is not None:
             S = k_BSGK.shape[1]
             b = None if bias is None else jnp.broadcast_to(bias, (B, G, R, T, S)).reshape(B, G * R, T, S)
+            if b is not None and self.impl == "cudnn":  # cuDNN takes the bias in the input dtype
+                b = b.astype(q_BTGRK.dtype)
             o = jax.nn.dot_product_attention(q_BTGRK.reshape(B, T, G * R, K), k_BSGK, v_BSGK, bias=b,
                                              mask=mask_BTS[:, None], implementation=self.impl)
             return o.reshape(B, T, G, R, K)
