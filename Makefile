@@ -61,6 +61,7 @@ bench: $(FULL_STAMP)
 	$(PY) -m benchmarks.rmt_cost
 	$(PY) -m benchmarks.sparse_ffn
 	$(PY) -m benchmarks.compile_time
+	$(PY) -m benchmarks.step_profile
 
 clean:
 	rm -rf $(VENV) runs
