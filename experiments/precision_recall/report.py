@@ -47,7 +47,8 @@ def csv_rows(exp, results):
             r = res[spec["name"]]
             pr = spec["type"] != "nll"
             for m in r["by_temperature"]:
-                ref = nll_recall_at_precision(res["nll"], m["precision"]) if pr else None
+                ref = (nll_recall_at_precision(res[reference(spec)], m["precision"])
+                       if spec["name"] != "nll" else None)
                 row = dict(seed=seed, run=spec["name"], loss_type=spec["type"],
                            pr_lambda=spec.get("pr_lambda", "") if pr else "",
                            pr_mix_nll=spec.get("pr_mix_nll", 0.0) if pr else "",
@@ -96,18 +97,29 @@ def per_t(exp, results, name, key):
             for t in exp["temperatures"]}
 
 
-def gains(exp, results, name):
-    """{T: (mean, s.e., n) of the recall gain over each seed's own NLL + T frontier at the same
-    precision, over the seeds where that precision is on the frontier}, and {T: n seeds}."""
+def reference(spec):
+    """The NLL run whose T frontier ``spec`` is compared with: ``spec["reference"]`` (a warm
+    start's: the NLL control trained as many more steps), else ``nll``."""
+    return spec.get("reference", "nll")
+
+
+def gains(exp, results, spec):
+    """{T: (mean, s.e., n) of the recall gain over each seed's own reference NLL + T frontier
+    (``reference``) at the same precision, over the seeds where that precision is on it}."""
     out = {}
     for t in exp["temperatures"]:
         g = []
         for res in results.values():
-            m = at(res[name], t)
-            ref = nll_recall_at_precision(res["nll"], m["precision"])
+            m = at(res[spec["name"]], t)
+            ref = nll_recall_at_precision(res[reference(spec)], m["precision"])
             g.append(None if ref is None else m["recall"] - ref)
         out[t] = _ms(g)
     return out
+
+
+def _pure(spec):
+    """A pure-L_lambda run (no NLL term)."""
+    return spec["type"] != "nll" and not spec.get("pr_mix_nll")
 
 
 def reading(exp, results):
@@ -159,7 +171,8 @@ def reading(exp, results):
     temp_fails = gain_up[0] <= 0 or gain_up[0] < cost_up[0]
     beats, items = [], []
     for spec in exp["runs"][1:]:
-        g = gains(exp, results, spec["name"])
+        control = spec["type"] == "nll"  # more NLL training: not a PR loss
+        g = gains(exp, results, spec)
         prec, rec = per_t(exp, results, spec["name"], "precision"), per_t(exp, results, spec["name"], "recall")
         valid = {t: v for t, v in g.items() if v is not None and v[2] == n}
         best = max(valid, key=lambda t: valid[t][0]) if valid else None
@@ -170,13 +183,16 @@ def reading(exp, results):
         if best is not None and best != 1.0:
             desc += (f"; best T of its sweep {best:g}: gain {_fmt(valid[best], signed=True)} at "
                      f"precision {_fmt(prec[best])}")
-        items.append(desc)
-        if best is not None:
+        items.append(desc + (f", against the `{reference(spec)}` frontier" if reference(spec) != "nll" else "")
+                     + (" (a control: more NLL training, not a PR loss)" if control else ""))
+        if best is not None and not control:
             m, se, _ = valid[best]
             if m > MARGIN and m - 2 * se > 0:
                 beats.append(spec["name"])
     lines.append("* **PR-loss runs vs NLL + temperature at matched precision** (recall minus the "
                  "same seed's NLL frontier recall at the run's precision, mean ± s.e. over seeds; a "
+                 "warm-started run is compared with the frontier of the NLL run trained as many "
+                 "steps, its `reference`; a "
                  f"difference needs a mean > {MARGIN:g} and > 2 s.e.):\n"
                  + "\n".join(f"  * {x}" for x in items))
     if failed:
@@ -194,7 +210,7 @@ def reading(exp, results):
                  f"to raise recall; the PR losses reach trade-offs temperature cannot): it {verdict}. "
                  f"{n} training seed(s), a {results[seeds[0]]['nll']['params'] / 1e3:.0f}k-parameter "
                  "model, and the spec's unverified candidate loss.")
-    pure = [s for s in exp["runs"][1:] if not s.get("pr_mix_nll")]
+    pure = [s for s in exp["runs"][1:] if _pure(s)]
     if pure:
         lines.append("* **Pure L_λ (no NLL term)**: " + ", ".join(
             f"`{s['name']}` precision {_fmt(per_t(exp, results, s['name'], 'precision')[1.0])}, recall "
@@ -233,7 +249,7 @@ def markdown(exp, results, meta, corpus):
     first = results[seeds[0]]
     header = ["run", "objective", "init", "T", "precision", f"recall (ε={exp['recall_eps']:g})",
               "head recall", "tail recall", "Q off supp P", "α/β at λ=1",
-              "recall − NLL+T recall at this precision", "eval NLL"]
+              "recall − NLL+T recall at this precision (reference run)", "eval NLL"]
     rows = []
     for spec in exp["runs"]:
         name = spec["name"]
@@ -242,16 +258,17 @@ def markdown(exp, results, meta, corpus):
                                                    if spec.get("pr_mix_nll") else ""))
         metric = {k: per_t(exp, results, name, k) for k in
                   ("precision", "recall", "head_recall", "tail_recall", "off_support")}
-        g = gains(exp, results, name) if spec["type"] != "nll" else {}
+        g = gains(exp, results, spec) if name != "nll" else {}
         for t in exp["temperatures"]:
-            if spec["type"] != "nll" and not spec.get("pr_mix_nll") and t != 1.0:
+            if _pure(spec) and t != 1.0:
                 continue  # the pure-L_lambda runs: T=1 only (all T are in results.csv)
             a1 = _ms([at(res[name], t)["prd"]["1"][0] for res in results.values()])
             gt = g.get(t)
             rows.append([name, obj, spec.get("init", "scratch") + f", {first[name]['steps']} steps",
                          f"{t:g}", *[_fmt(metric[k][t]) for k in metric], _fmt(a1, 3),
                          "—" if gt is None else _fmt(gt, signed=True)
-                         + (f" ({gt[2]}/{len(seeds)} seeds)" if gt[2] < len(seeds) else ""),
+                         + (f" ({gt[2]}/{len(seeds)} seeds)" if gt[2] < len(seeds) else "")
+                         + f" ({reference(spec)})",
                          _fmt(_ms([res[name]["eval_token_nll"] for res in results.values()]))])
     train_min = sum((r["train_seconds"] or 0) for res in results.values() for r in res.values()) / 60
     kind = meta["source"].get("kind", "markov")

@@ -130,18 +130,29 @@ def test_reading_verdict_follows_the_seeds():
     recall falls as T rises above 1, and a PR run above (or on) its frontier on every seed."""
     exp = {"temperatures": (0.5, 1.0, 2.0), "gate": {"precision": 0.5, "head_recall": 0.9},
            "runs": [{"name": "nll", "type": "nll"},
-                    {"name": "pr", "type": "pr_hinge", "pr_lambda": 0.1, "pr_mix_nll": 0.1}]}
+                    {"name": "pr", "type": "pr_hinge", "pr_lambda": 0.1, "pr_mix_nll": 0.1},
+                    {"name": "ctl", "type": "nll", "init": "nll"}]}
     nll = [(0.5, 0.99, 0.5), (1.0, 0.9, 0.6), (2.0, 0.5, 0.55)]
 
     def results(offsets):
+        # the NLL control (more NLL steps) beats the frontier but is no PR-loss win
         return {s: {"nll": _fake_run(nll, True),
-                    "pr": _fake_run([(t, p, r + d) for t, p, r in nll])} for s, d in enumerate(offsets)}
+                    "pr": _fake_run([(t, p, r + d) for t, p, r in nll]),
+                    "ctl": _fake_run([(t, p, r + 0.1) for t, p, r in nll], True)}
+                for s, d in enumerate(offsets)}
     above = results([0.05, 0.06, 0.07])
-    g = gains(exp, above, "pr")
+    g = gains(exp, above, exp["runs"][1])
     assert g[1.0][0] == pytest.approx(0.06) and g[1.0][1] == pytest.approx(0.01 / math.sqrt(3))
     assert g[1.0][2] == 3
     text = "\n".join(reading(exp, above))
-    assert "it shows: temperature fails to raise recall, and `pr`" in text
+    assert "it shows: temperature fails to raise recall, and `pr` reach" in text
+    assert "`ctl`: at T=1" in text and "a control: more NLL training" in text
+    assert "`pr` reach" in text and "`ctl` reach" not in text
+    # compared with the control's frontier (0.1 more recall everywhere), `pr` gains nothing
+    exp["runs"][1]["reference"] = "ctl"
+    assert gains(exp, above, exp["runs"][1])[1.0][0] == pytest.approx(-0.04)
+    assert "shows only in part" in "\n".join(reading(exp, above))
+    del exp["runs"][1]["reference"]
     assert "seed 2 passes" in text and "The gate fails" not in text
     # on the frontier (within noise): no claim
     on = results([0.01, -0.01, 0.0])
