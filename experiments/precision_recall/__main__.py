@@ -245,7 +245,7 @@ def train_and_score(cfg, workdir, strings, p_support, exp):
 
 
 def main(argv=None):
-    xla_env.use_default_flags()  # before the first JAX computation (kept if set)
+    xla_env.use_defaults()  # flags and compilation cache, before the first JAX computation (kept if set)
     p = argparse.ArgumentParser(description="NLL + temperature vs PR losses (docs/methods/precision_recall.md)")
     p.add_argument("--workdir", required=True)
     p.add_argument("--preset", default="default", choices=sorted(PRESETS))
