@@ -1,5 +1,5 @@
-"""The presets of experiments/rmt as ConfigDicts, the learning-rate probe behind the default one,
-and the plain dict each preset was saved as before (config.json's "exp" section)."""
+"""The presets of experiments/rmt as ConfigDicts (with the learning-rate grid per tuned shape)
+and the plain dict each preset was saved as (config.json's "exp" section)."""
 from experiments.common import preset, record
 
 # The tiny transformer of the experiment, GPT-2-like so that only the residual stream differs
@@ -9,8 +9,12 @@ TRANSFORMER = dict(d_model=128, num_layers=4, num_heads=4, num_kv_heads=4, head_
                    position="alibi")
 
 # transformer / rmt / train: run-config overrides, nested (model.d_model, train.steps); train is
-# shared by every run; lr: peak learning rate per family (each family keeps the rest of its
-# config: the RMT its reference optimiser settings and z-loss).
+# shared by every run. Each family keeps the rest of its config (the RMT its reference optimiser
+# settings and z-loss). Peak learning rate, per tuned shape (``transformer``; ``rmt_matched``;
+# ``rmt_spec``, the spec-shaped RMT of the Dk sweep): ``lr_grid`` lists the values the lr stage tries
+# for a shape (``grid_steps`` steps, seed ``grid_seed``, the same warmup fraction); the value with
+# the lowest final dev loss is used by that shape's runs. ``lr`` is the value of a shape without a
+# grid, or given on the command line (``--lr``: fixed, its grid is skipped).
 PRESETS = {
     "tiny": preset(
         seeds=(0,), sweep_seeds=(0,), key_dims=(2, 8), main_key_dim=8,
@@ -19,7 +23,8 @@ PRESETS = {
                                 "max_seq_len": 128}),
         rmt=dict(model=dict(num_layers=1, num_heads=2, num_kv_heads=2, head_dim=16, ffn_dim=64,
                             max_seq_len=128)),
-        lr=dict(transformer=1e-2, rmt=1e-2),
+        lr=dict(transformer=1e-2, rmt_matched=1e-2, rmt_spec=1e-2),
+        lr_grid=dict(transformer=(3e-3, 1e-2)), grid_steps=8, grid_seed=0,
         # seq_len 128 although the models are tiny: the trainer packs the whole validation split
         # into rows before picking eval batches, and that costs per row
         train=dict(data=dict(seq_len=128),
@@ -27,22 +32,21 @@ PRESETS = {
                               eval_batches=2, checkpoint_every=12)),
     ),
     "default": preset(
-        seeds=(0, 1), sweep_seeds=(0,), key_dims=(4, 8, 16, 32), main_key_dim=16,
+        seeds=(0, 1, 2), sweep_seeds=(0, 1, 2), key_dims=(4, 8, 16, 32), main_key_dim=16,
         transformer=dict(model=dict(TRANSFORMER)),
         rmt={},
-        # peak lr per family: the best in LR_PROBE (1e-2 is also the RMT reference's lr)
-        lr=dict(transformer=3e-3, rmt=1e-2),
+        # used only where a shape is not tuned (benchmarks/rmt_cost.py times steps with them):
+        # the former one-off probe's picks (1e-2 is also the RMT reference's lr)
+        lr=dict(transformer=3e-3, rmt_matched=1e-2, rmt_spec=1e-2),
+        lr_grid=dict(transformer=(1e-3, 3e-3, 1e-2), rmt_matched=(3e-3, 1e-2, 3e-2),
+                     rmt_spec=(3e-3, 1e-2, 3e-2)),
+        grid_steps=100, grid_seed=0,
         train=dict(data=dict(seq_len=128),
-                   train=dict(steps=250, batch_size=8, warmup_steps=25, log_every=10,
-                              eval_every=50, eval_batches=12, checkpoint_every=125)),
+                   train=dict(steps=200, batch_size=8, warmup_steps=20, log_every=10,
+                              eval_every=25, eval_batches=8, checkpoint_every=100)),
     ),
 }
 
-# The probe that chose the default preset's peak lr per family (measured once, 2026-12-01, not
-# rerun by the experiment): 80 steps x 8 rows x 128 tokens, warmup 8, seed 0, dev loss on 4
-# validation batches; transformer at the spec shape, RMT at Dk=16, N_ff=512.
-LR_PROBE = {"transformer": {3e-3: 2.7571, 1e-2: 3.0314},
-            "rmt": {3e-3: 2.8999, 1e-2: 2.7527, 3e-2: 3.1690}}
 
 def as_dict(exp) -> dict:
     """A preset (with the command line's changes) as config.json's "exp" section: the run-config

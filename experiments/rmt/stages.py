@@ -1,5 +1,6 @@
 """What experiments/rmt computes: the run configs (transformer, parameter-matched RMT, Dk sweep),
-training each (run, seed) with its cached digest (params, FLOPs/token, eval curve, step time)."""
+the lr stage (a grid per tuned shape, its argmin), training each (run, seed) with its cached
+digest (params, FLOPs/token, eval curve, step time)."""
 import json
 import os
 
@@ -15,15 +16,18 @@ def _load(spec, overrides):
     return cfg
 
 
-def transformer_config(exp):
+def transformer_config(exp, lr=None):
     return _load("configs/lm.py:small", {**run_overrides(exp["transformer"]),
                                           **run_overrides(exp["train"]), **QUIET,
-                                          "train.lr": exp["lr"]["transformer"]})
+                                          "train.lr": lr or exp["lr"]["transformer"]})
 
 
-def rmt_config(exp, key_dim, ffn_dim=None):
+def rmt_config(exp, key_dim, ffn_dim=None, lr=None):
+    """The RMT at Dk = ``key_dim`` (N_ff = ``ffn_dim`` if given); lr: ``lr``, else the preset's
+    ``rmt_matched`` lr when N_ff is widened, its ``rmt_spec`` lr otherwise."""
     over = {**run_overrides(exp["rmt"]), **run_overrides(exp["train"]), **QUIET,
-            "train.lr": exp["lr"]["rmt"], "model.rmt.key_dim": key_dim}
+            "train.lr": lr or exp["lr"]["rmt_matched" if ffn_dim else "rmt_spec"],
+            "model.rmt.key_dim": key_dim}
     if ffn_dim:
         over["model.ffn_dim"] = ffn_dim
     return _load("configs/rmt.py:small", over)
@@ -38,17 +42,57 @@ def matched_ffn_dim(target_params: int, exp, key_dim) -> int:
     return max(1, m.ffn_dim + round((target_params - param_count(m)) / per_unit))
 
 
-def plan(exp):
-    """[(run name, family, group, config, seeds)] for the preset."""
+def shape_configs(exp, lrs=None):
+    """{tuned shape: config} at the lrs ``lrs`` (default: the preset's ``lr``): ``transformer``,
+    ``rmt_matched`` (Dk = ``main_key_dim``, N_ff matched to the transformer's parameters) and
+    ``rmt_spec`` (the spec-shaped RMT at ``main_key_dim``)."""
     from icml_jax.analysis.flops import param_count
-    tf = transformer_config(exp)
+    base = exp["lr"]
+    lrs = {**(base.to_dict() if hasattr(base, "to_dict") else base), **(lrs or {})}
+    dk = exp["main_key_dim"]
+    tf = transformer_config(exp, lrs["transformer"])
+    nff = matched_ffn_dim(param_count(tf.model), exp, dk)
+    return {"transformer": tf, "rmt_matched": rmt_config(exp, dk, nff, lrs["rmt_matched"]),
+            "rmt_spec": rmt_config(exp, dk, lr=lrs["rmt_spec"])}
+
+
+def grid_plan(exp, fixed=()):
+    """The lr stage's runs, as ``plan``'s tuples: each shape of ``lr_grid`` (but those in ``fixed``)
+    at each of its lrs, ``grid_steps`` steps (warmup scaled by grid_steps / steps, one eval at
+    the end and one halfway), seed ``grid_seed``; named ``<shape>_lr<lr>``."""
+    t = exp["train"]["train"]
+    n = exp["grid_steps"]
+    runs = []
+    for shape, lrs in sorted(exp["lr_grid"].items()):
+        if shape in fixed:
+            continue
+        for lr in lrs:
+            cfg = shape_configs(exp, {shape: lr})[shape]
+            cfg.train.update(steps=n, warmup_steps=max(1, round(t["warmup_steps"] * n / t["steps"])),
+                             eval_every=max(1, n // 2), checkpoint_every=n)
+            runs.append((f"{shape}_lr{lr:g}", shape, "grid", cfg, (exp["grid_seed"],)))
+    return runs
+
+
+def pick_lrs(grid_runs, grid_results):
+    """{shape: (the grid lr with the lowest final dev loss, {lr: dev loss})} from the lr stage."""
+    table = {}
+    for name, shape, _, cfg, seeds in grid_runs:
+        table.setdefault(shape, {})[cfg.train.lr] = grid_results[(name, seeds[0])]["final_eval_loss"]
+    return {shape: (min(t, key=t.get), t) for shape, t in table.items()}
+
+
+def plan(exp, lrs=None):
+    """[(run name, family, group, config, seeds)] for the preset at the lrs ``lrs`` (default:
+    the preset's ``lr``; ``rmt_spec``'s for every sweep point)."""
     dk_main = exp["main_key_dim"]
     if dk_main not in exp["key_dims"]:
         raise ValueError(f"main_key_dim={dk_main} must be one of key_dims={list(exp['key_dims'])}")
-    nff = matched_ffn_dim(param_count(tf.model), exp, dk_main)
-    runs = [("transformer", "transformer", "main", tf, exp["seeds"]),
-            ("rmt_matched", "rmt", "main", rmt_config(exp, dk_main, nff), exp["seeds"])]
-    runs += [(f"rmt_dk{dk}", "rmt", "sweep", rmt_config(exp, dk), exp["sweep_seeds"])
+    shapes = shape_configs(exp, lrs)
+    runs = [("transformer", "transformer", "main", shapes["transformer"], exp["seeds"]),
+            ("rmt_matched", "rmt", "main", shapes["rmt_matched"], exp["seeds"])]
+    lr = shapes["rmt_spec"].train.lr
+    runs += [(f"rmt_dk{dk}", "rmt", "sweep", rmt_config(exp, dk, lr=lr), exp["sweep_seeds"])
              for dk in exp["key_dims"]]
     return runs
 
