@@ -78,7 +78,8 @@ def build(D: int, F: int, active: int, seed: int = 0):
     from icml_jax.models.mlp import ACTIVATIONS
     cfg = ml_collections.FrozenConfigDict(dict(d_model=D, ffn_dim=F, dtype="float32", param_dtype="float32",
                                                init_std=0.02, mlp=dict(activation="relu_glu",
-                                                                       sparse_compare="lt")))
+                                                                       sparse_compare="lt",
+                                                                       sparse_capacity=0)))
     module = ACTIVATIONS.get("relu_glu")(cfg)
     x = jax.random.normal(jax.random.key(seed + 1), (1, 1, D), jnp.float32)
     params = nn.meta.unbox(module.init(jax.random.key(seed), x)["params"])
