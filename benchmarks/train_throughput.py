@@ -19,7 +19,10 @@ Each measurement runs in its own child process (XLA flags are per process, and p
 mix frameworks); a child warms up (compiles) first and then times ``--steps`` steps, each ended by
 ``block_until_ready`` (jax) or a synchronous torch step. Step time = the minimum over the timed
 steps (the machine may be shared; the median is reported too, with the load average).
-Peak memory: ``ru_maxrss`` growth of the child from just before the model is built to after the
+``AB_VARIANTS`` are our step with one change turned off (config.model overrides), the A/B
+of each optimisation we keep. Memory, comparable across frameworks: the RSS high-water mark over
+the timed steps (reset after the warm-up) minus the RSS before the model was built ("steady").
+Also: ``ru_maxrss`` growth of the child from just before the model is built to after the
 last step (params + optimizer state + activations + allocator slack; for jax also the XLA
 compiler's own memory), and for jax XLA's static ``memory_analysis`` of the compiled step
 (arguments + outputs - aliased + temporaries).
@@ -38,12 +41,16 @@ import time
 from benchmarks.common import time_calls, write_report
 from icml_jax import xla_env
 
-# XLA CPU flags that this benchmark found faster for training on CPU (see the report): without
-# them jax 0.10.2 routes dots through YNNPACK fusions, which ran on one thread in our step
-# (wall time == CPU time) and made the step ~1.9x slower on 2 cores. Disabling the YNN fusion
-# types sends dots to XLA's multi-threaded Eigen runtime.
+# XLA CPU flags of our entry points (see the report's `ours_default_flags` row): without them
+# jax 0.10.2 routes dots through YNNPACK fusions. In the 2026-12-01 step those ran on one thread
+# and made it ~1.9x slower on 2 cores; with the causal query blocks (2026-12-03) the two paths are
+# within ~5% in time, but the YNN program's temporaries are larger (small: 615 vs 518 MiB), so the
+# flag stays. Disabling the YNN fusion types sends dots to XLA's multi-threaded Eigen runtime.
 RECOMMENDED_XLA_FLAGS = " ".join(xla_env.CPU_FLAGS)  # what icml_jax's entry points set
 from benchmarks.common import RESULTS_DIR  # noqa: E402
+# A/B of our step: name -> config.model overrides, each timed like ``ours`` (the report's
+# "Other variants" table); what each row turns off is the change it measures.
+AB_VARIANTS = {"ours_attention_block=0": {"attention_block": 0}}  # causal query blocks off
 MATMUL_SHAPES = ((2048, 2048, 2048), (4096, 256, 704), (4096, 512, 1408), (4096, 1408, 512),
                  (4096, 512, 512))
 
@@ -52,6 +59,38 @@ MATMUL_SHAPES = ((2048, 2048, 2048), (4096, 256, 704), (4096, 512, 1408), (4096,
 
 def _maxrss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _status_kib(field: str):
+    """A ``/proc/self/status`` size in bytes (None off Linux)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _reset_peak_rss() -> bool:
+    """Resets the process's RSS high-water mark (VmHWM) to its current RSS (Linux clear_refs 5)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _steady_peak(run, steps: int, rss0) -> tuple:
+    """Times ``steps`` calls of ``run`` with the RSS high-water mark reset before them: (times,
+    peak RSS during the timed steps minus ``rss0``, the RSS before the model was built; None
+    where the kernel does not allow the reset)."""
+    reset = _reset_peak_rss()
+    times = time_calls(run, steps)
+    hwm = _status_kib("VmHWM")
+    return times, (hwm - rss0 if reset and hwm is not None and rss0 is not None else None)
 
 
 
@@ -151,8 +190,9 @@ def child_ours(spec: dict) -> dict:
     from icml_jax.analysis.flops import param_count, train_flops_per_token
 
     config = _preset_config(spec["preset"])
+    config.model.update(spec.get("model_overrides", {}))
     B, T = spec["batch"], config.data.seq_len
-    rss0 = _maxrss_bytes()
+    rss0, rss0_now = _maxrss_bytes(), _status_kib("VmRSS")
     with_tokenizer = _lm_task(config)[1]
     compiled, state, batch, compile_s = compiled_train_step(config, B)
     mem = compiled.memory_analysis()
@@ -163,11 +203,12 @@ def child_ours(spec: dict) -> dict:
         jax.block_until_ready((box["state"], box["metrics"]))
 
     run()  # warm-up step (allocations, thread pools)
-    times = time_calls(run, spec["steps"])
+    times, steady = _steady_peak(run, spec["steps"], rss0_now)
     n_params = sum(x.size for x in jax.tree.leaves(box["state"].params))
     out = _timing(times, B * T, train_flops_per_token(config.model, T))
     out.update(compile_s=compile_s, params=int(n_params), params_formula=param_count(config.model),
                loss=float(box["metrics"]["loss"]), rss_growth_bytes=_maxrss_bytes() - rss0,
+               steady_peak_bytes=steady, model_overrides=spec.get("model_overrides", {}),
                with_tokenizer=with_tokenizer, jax_version=jax.__version__,
                xla_flags=os.environ.get("XLA_FLAGS", ""))
     if mem is not None:
@@ -201,7 +242,7 @@ def child_torch(spec: dict) -> dict:
     B, T, t = spec["batch"], config.data.seq_len, config.train
     toks = torch.from_numpy(_synthetic_tokens(B, T, config.model.vocab_size)).long()
     inputs, targets = toks[:, :-1], toks[:, 1:]
-    rss0 = _maxrss_bytes()
+    rss0, rss0_now = _maxrss_bytes(), _status_kib("VmRSS")
     model = _torch_llama(config.model, spec["attn"])
     model.train()
     params = list(model.parameters())
@@ -222,10 +263,10 @@ def child_torch(spec: dict) -> dict:
 
     run()
     run()
-    times = time_calls(run, spec["steps"])
+    times, steady = _steady_peak(run, spec["steps"], rss0_now)
     out = _timing(times, B * T, train_flops_per_token(config.model, T))
     out.update(params=int(sum(p.numel() for p in params)), loss=box["loss"],
-               rss_growth_bytes=_maxrss_bytes() - rss0, torch_version=torch.__version__,
+               rss_growth_bytes=_maxrss_bytes() - rss0, steady_peak_bytes=steady, torch_version=torch.__version__,
                transformers_version=transformers.__version__, threads=torch.get_num_threads())
     return out
 
@@ -307,14 +348,16 @@ def markdown(res: dict) -> str:
         "attention counted as half; norms/softmax/optimizer not counted), the same count for both "
         f"frameworks. MFU = model FLOP/s ÷ best measured fp32 matmul ({peak:,.0f} GFLOP/s).", "",
         "| preset | params | batch×seq | ours tok/s | torch sdpa tok/s | ours/torch | ours TFLOP/s | "
-        "ours MFU | torch TFLOP/s | torch MFU | ours peak mem (XLA step / RSS growth) | "
-        "torch peak mem (RSS growth) |",
+        "ours MFU | torch TFLOP/s | torch MFU | ours mem (XLA step / steady RSS / RSS growth) | "
+        "torch mem (steady RSS / RSS growth) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    busy = max(res["loadavg_start"][0], res["loadavg_end"][0]) > 0.5 * m["cores"]
+    # the load at the start only: by the end the benchmark's own children (2 busy threads for
+    # ~2 minutes) have raised the 1-minute average by themselves
+    busy = res["loadavg_start"][0] > 0.5 * m["cores"]
     if busy:
         lines[-2:-2] = [f"**Warning: the machine was busy (load average above {0.5 * m['cores']:.1f} on "
-                        f"{m['cores']} cores) while this ran; other processes competed for the cores, "
+                        f"{m['cores']} cores) when this started; other processes competed for the cores, "
                         "which slows every measurement and torch's OpenMP threads more than XLA's, so "
                         "the numbers and especially the ratios are not representative. Rerun on an idle "
                         "machine.**", ""]
@@ -330,7 +373,8 @@ def markdown(res: dict) -> str:
             f"{row.get('ratio_ours_over_torch_sdpa', float('nan')):.2f}× | "
             f"{o['model_tflops_per_s']:.3f} | {o.get('mfu_vs_measured_peak', 0):.0%} | "
             f"{t.get('model_tflops_per_s', float('nan')):.3f} | {t.get('mfu_vs_measured_peak', 0):.0%} | "
-            f"{_fmt_mb(o.get('xla_step_bytes'))} / {_fmt_mb(o.get('rss_growth_bytes'))} | "
+            f"{_fmt_mb(o.get('xla_step_bytes'))} / {_fmt_mb(o.get('steady_peak_bytes'))} / "
+            f"{_fmt_mb(o.get('rss_growth_bytes'))} | {_fmt_mb(t.get('steady_peak_bytes'))} / "
             f"{_fmt_mb(t.get('rss_growth_bytes'))} |")
     lines += ["", "Other variants (tokens/s, step time min / median):", "",
               "| preset | variant | tok/s | step min | step median | TFLOP/s | MFU |",
@@ -351,8 +395,13 @@ def markdown(res: dict) -> str:
     lines += ["", "Notes: step time is the minimum over the timed steps after a warm-up step "
               "(the machine may be shared, see the load average; the median is in the JSON). "
               "Peak memory: XLA step = `compiled.memory_analysis()` arguments + outputs − aliased + "
-              "temporaries; RSS growth = `ru_maxrss` of the child process from before the model "
-              "is built to after the last step (for jax this includes the XLA compiler). "
+              "temporaries; steady RSS = the child's RSS high-water mark over the timed steps "
+              "(reset after the warm-up with `/proc/self/clear_refs`) minus its RSS before the "
+              "model was built: params, optimizer state, activations and whatever the runtime "
+              "keeps, the number comparable across frameworks; RSS growth = `ru_maxrss` of the "
+              "child from before the model is built to after the last step (for jax this "
+              "includes the XLA compiler's peak). "
+              f"A/B rows: {', '.join(f'`{k}` = ours with config.model {v}' for k, v in AB_VARIANTS.items())}. "
               "`ours_default_flags` = the same step under jax's default XLA flags. Torch: "
               "`LlamaForCausalLM` fp32, AdamW (decay on matrices only, like ours) + grad-norm clip, "
               "cross-entropy on the same tokens/targets, `torch.set_num_threads(cores)`.", ""]
@@ -373,6 +422,7 @@ def parse_args(argv):
                    help="do not also time our step under jax's default XLA flags")
     p.add_argument("--skip_eager", action="store_true", help="do not time torch eager attention")
     p.add_argument("--skip_torch", action="store_true")
+    p.add_argument("--skip_ab", action="store_true", help="do not time the AB_VARIANTS of our step")
     p.add_argument("--out", default=RESULTS_DIR)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -407,6 +457,9 @@ def main(argv=None) -> dict:
         row = res["presets"][preset] = {"batch": B, "seq_len": config.data.seq_len}
         common = {"preset": preset, "batch": B, "steps": args.steps}
         runs = [("ours", {"kind": "ours", **common}, ours_flags)]
+        if not args.skip_ab:
+            runs += [(name, {"kind": "ours", "model_overrides": o, **common}, ours_flags)
+                     for name, o in AB_VARIANTS.items()]
         if not args.skip_torch:
             runs.append(("torch_sdpa", {"kind": "torch", "attn": "sdpa", "threads": threads, **common}, None))
         if not args.skip_default_flags:

@@ -51,6 +51,9 @@ def base_config() -> ml_collections.ConfigDict:
     # softmax attention: "einsum" (ours, float32 logits), "xla" (jax.nn.dot_product_attention's XLA
     # path, same numbers) or "cudnn" (its cuDNN flash-attention kernel; NVIDIA GPUs, bf16/fp16)
     c.model.attention_impl = "einsum"
+    # einsum path without a cache: queries in blocks of this many (at most 8 blocks), the key
+    # blocks they are causally masked from skipped (same numbers, less work); 0 = one block
+    c.model.attention_block = 64
     c.model.mlp = ml_collections.ConfigDict()
     # registry icml_jax.models.mlp: swiglu | relu_glu | relu | relu2 | gelu | gelu_tanh
     c.model.mlp.activation = "swiglu"

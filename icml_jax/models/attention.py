@@ -19,6 +19,7 @@ from icml_jax.models.layers import constrain, get_dtype, param, upcast
 from icml_jax.models.positions import POSITIONS
 
 NEG_INF = -1e30
+MAX_QUERY_BLOCKS = 8  # causal query blocks of the einsum path (config.model.attention_block)
 # config.model.attention_impl -> jax.nn.dot_product_attention's ``implementation`` (None: ours)
 ATTENTION_IMPLS = {"einsum": None, "xla": "xla", "cudnn": "cudnn"}
 
@@ -34,6 +35,49 @@ def attention_mask(q_seg_BT, k_seg_BS, q_idx_BT, k_idx_BS, q_pos_BT=None, k_pos_
     if window:
         mask &= (q_pos_BT[:, :, None] - k_pos_BS[:, None, :]) < window
     return mask
+
+
+def _softmax_attend(q_BTGRK, k_BSGK, v_BSGK, mask_BTS, bias=None):
+    """softmax(q k^T / sqrt(K) + bias, masked) v with float32 logits: [B, T, G, R, K]."""
+    K = q_BTGRK.shape[-1]
+    logits = upcast(jnp.einsum("BTGRK,BSGK->BGRTS", q_BTGRK, k_BSGK))
+    logits = logits * (K ** -0.5)
+    if bias is not None:
+        logits = logits + bias
+    logits = jnp.where(mask_BTS[:, None, None], logits, NEG_INF)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v_BSGK.dtype)
+    return jnp.einsum("BGRTS,BSGK->BTGRK", probs, v_BSGK)
+
+
+def query_block_count(model_cfg, T: int, S: int) -> int:
+    """Causal query blocks for T queries over their own S = T keys: T / ``attention_block``
+    (0: one block), at most ``MAX_QUERY_BLOCKS`` (each block is its own pair of dots in the
+    program, so compile time grows with the count); 1 unless the blocks split T evenly."""
+    blk = model_cfg.get("attention_block", 0)
+    if not blk or T != S or T % blk:
+        return 1
+    n = min(T // blk, MAX_QUERY_BLOCKS)
+    return n if T % n == 0 else 1
+
+
+def over_causal_blocks(fn, n: int, q_tree, k_tree, ts_tree):
+    """Causal attention in n query blocks: ``fn(q_i, k_i, ts_i)`` for block i, where the leaves of
+    ``q_tree`` are sliced to the block's queries along axis 1, those of ``k_tree`` to keys
+    [0, end of the block) along axis 1 and those of ``ts_tree`` ([.., T, S] masks and biases; None
+    leaves stay None) on their last two axes; the outputs are concatenated along axis 1. Query
+    block i is causally masked from every later key, so the skipped n(n-1)/2 of the n^2 tiles
+    contribute exactly 0 and the result equals one block's."""
+    if n == 1:
+        return fn(q_tree, k_tree, ts_tree)
+    T = jax.tree.leaves(q_tree)[0].shape[1]
+    c = T // n
+    outs = []
+    for i in range(n):
+        lo, hi = i * c, (i + 1) * c
+        outs.append(fn(jax.tree.map(lambda x: x[:, lo:hi], q_tree),
+                       jax.tree.map(lambda x: x[:, :hi], k_tree),
+                       jax.tree.map(lambda x: x[..., lo:hi, :hi], ts_tree)))
+    return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *outs)
 
 
 class KVCache(nn.Module):
@@ -103,12 +147,18 @@ class Attention(nn.Module):
         q_BTGRK = constrain(qkv_BTGCK[:, :, :, :R], ("batch", "length", "act_kv_heads", None, None))
         return q_BTGRK, qkv_BTGCK[:, :, :, R], qkv_BTGCK[:, :, :, R + 1]
 
-    def attend(self, q_BTGRK, k_BSGK, v_BSGK, mask_BTS, bias=None):
+    def attend(self, q_BTGRK, k_BSGK, v_BSGK, mask_BTS, bias=None, causal_rows=False):
         """Softmax attention in float32 logits; returns [B, T, G, R, K] in the compute dtype.
         With ``attention_impl`` "xla" / "cudnn", ``jax.nn.dot_product_attention`` computes it
         (query head g*R + r uses kv head g there too; the mask and bias are passed as [B, 1, T, S]
         and [B, G*R, T, S]; cuDNN turns the mask into an additive bias, so packed documents and
-        sliding windows work there too, at the cost of reading a [B, 1, T, S] bias)."""
+        sliding windows work there too, at the cost of reading a [B, 1, T, S] bias).
+
+        ``causal_rows``: the keys are the queries' own T slots in order (training / scoring
+        without a cache), so with ``config.model.attention_block`` = c the einsum path splits the
+        queries into T/c blocks and skips the key blocks every query of a block is causally masked
+        from: the same numbers (masked probabilities are exactly 0) at ~(n+1)/2n of the attention
+        work for n blocks."""
         B, T, G, R, K = q_BTGRK.shape
         if self.impl is not None:
             S = k_BSGK.shape[1]
@@ -118,13 +168,9 @@ class Attention(nn.Module):
             o = jax.nn.dot_product_attention(q_BTGRK.reshape(B, T, G * R, K), k_BSGK, v_BSGK, bias=b,
                                              mask=mask_BTS[:, None], implementation=self.impl)
             return o.reshape(B, T, G, R, K)
-        logits = upcast(jnp.einsum("BTGRK,BSGK->BGRTS", q_BTGRK, k_BSGK))
-        logits = logits * (K ** -0.5)
-        if bias is not None:
-            logits = logits + bias
-        logits = jnp.where(mask_BTS[:, None, None], logits, NEG_INF)
-        probs = jax.nn.softmax(logits, axis=-1).astype(v_BSGK.dtype)
-        return jnp.einsum("BGRTS,BSGK->BTGRK", probs, v_BSGK)
+        n = query_block_count(self.cfg, T, k_BSGK.shape[1]) if causal_rows else 1
+        return over_causal_blocks(lambda q, kv, ts: _softmax_attend(q, *kv, *ts), n, q_BTGRK,
+                                  (k_BSGK, v_BSGK), (mask_BTS, bias))
 
     def project_out(self, o_BTGRK):
         return jnp.einsum("BTGRK,GRKD->BTD", o_BTGRK, self.w_out.astype(o_BTGRK.dtype))
@@ -140,4 +186,4 @@ class Attention(nn.Module):
         mask = attention_mask(segment_ids_BT, k_seg, q_idx, k_idx, positions_BT, k_pos,
                               self.cfg.sliding_window)
         bias = self.position.bias(positions_BT, k_pos)
-        return self.project_out(self.attend(q, k, v, mask, bias))
+        return self.project_out(self.attend(q, k, v, mask, bias, causal_rows=not self.decode))

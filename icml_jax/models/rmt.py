@@ -67,7 +67,8 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from icml_jax.models.attention import NEG_INF, KVCache, attention_mask
+from icml_jax.models.attention import (NEG_INF, KVCache, attention_mask, over_causal_blocks,
+                                       query_block_count)
 from icml_jax.models.layers import constrain, get_dtype, param, upcast, wide_dtype
 from icml_jax.models.mlp import ACTIVATIONS
 from icml_jax.models.positions import alibi_distance
@@ -303,7 +304,15 @@ class RMTAttention(nn.Module):
         return self.attend(q, k, v, mask_BTS, layer_B1, positions_BT, k_pos).astype(x_BTEK.dtype)
 
     def attend(self, q_BTRE, k_BSRE, v_BSRE, mask_BTS, layer_B1, q_pos_BT, k_pos_BS):
-        """float32 softmax attention: z = (q·k)·scale / (ℓ+1) - m_r (t_pos - s_pos)."""
+        """float32 softmax attention: z = (q·k)·scale / (ℓ+1) - m_r (t_pos - s_pos); without a
+        cache in causal query blocks (``config.model.attention_block``, as the transformer)."""
+        T, S = q_BTRE.shape[1], k_BSRE.shape[1]
+        n = 1 if self.decode else query_block_count(self.cfg, T, S)
+        return over_causal_blocks(
+            lambda q, kv, m: self._attend(q[0], kv[0], kv[1], m, layer_B1, q[1], kv[2]), n,
+            (q_BTRE, q_pos_BT), (k_BSRE, v_BSRE, k_pos_BS), mask_BTS)
+
+    def _attend(self, q_BTRE, k_BSRE, v_BSRE, mask_BTS, layer_B1, q_pos_BT, k_pos_BS):
         c = self.cfg
         hi = jax.lax.Precision.HIGHEST
         z_BRTS = jnp.einsum("BTRE,BSRE->BRTS", upcast(q_BTRE), upcast(k_BSRE),

@@ -210,6 +210,25 @@ def test_packed_documents_are_isolated():
     np.testing.assert_allclose(packed[0, 5:], alone[0], atol=1e-5)
 
 
+def test_causal_query_blocks_match_one_block():
+    """config.model.attention_block (T=12, blocks of 3 -> 4 blocks) gives the one-block logits and
+    gradients, with packed documents and the ALiBi bias, and fewer compiled FLOPs."""
+    m = _cfg(attention_block=0).model
+    _, params, tokens = _init(m, B=1, T=12)
+    params = _randomise(params)
+    seg = jnp.array([[1] * 5 + [2] * 7])
+    pos = jnp.array([list(range(5)) + list(range(7))])
+    out, flops = [], []
+    for blk in (0, 3):
+        m.attention_block = blk
+        model = build_model(m)
+        f = jax.jit(jax.value_and_grad(lambda p: (model.apply({"params": p}, tokens, pos, seg) ** 2).mean()))
+        out.append(f(params))
+        flops.append(f.lower(params).compile().cost_analysis()["flops"])
+    chex.assert_trees_all_close(out[1], out[0], rtol=1e-5, atol=1e-6)
+    assert flops[1] < flops[0], flops
+
+
 @pytest.mark.parametrize("flags", [dict(), dict(position="learned"), dict(norm="layernorm"),
                                    dict(param="lecun"), dict(inverse_layer_scaling=False)])
 @pytest.mark.parametrize("activation", ["gelu_tanh", "swiglu"])
