@@ -5,7 +5,8 @@ Axis letters: B batch, T length, D model width (the MLP's input/output width), F
 An MLP maps x [B, T, D] -> (y [B, T, D], acts [B, T, F]) where ``acts`` are the per-neuron
 activations a_j that multiply row j of W_down (the gated product act(gate)*up for GLU variants,
 act(W_in x) otherwise), exposed for sparsity analysis; returning them does not change the forward
-numerics. When ``intermediates`` is mutable the MLP also sows ``mlp_gate`` (act(gate); the
+numerics. When ``intermediates`` is mutable the MLP also sows ``mlp_in`` (its input x [B, T, D]),
+``mlp_gate`` (act(gate); the
 activation itself for plain MLPs) and, for GLU variants, ``mlp_up`` (x W_up), for analyses that need
 them separately.
 
@@ -46,7 +47,9 @@ capacity C instead: the same ``threshold`` / ``gate_threshold`` rule on only the
 up/down rows, the masked dense computation as fallback when there are more than C candidates. There
 ``acts`` holds the kept activations (0 for zeroed and never-computed neurons), ``mlp_keep`` /
 ``mlp_gate`` / ``mlp_up`` are not sown, and ``intermediates/sparse_ffn_stats`` is sown instead
-(``{"candidates", "kept", "sparse"}`` scalars; ``sparse`` = the gathered branch ran). The prepared
+(``{"candidates", "kept", "sparse"}`` scalars; ``sparse`` = the gathered branch ran). When the
+tree also holds ``sparse_ffn.PREDICTOR_LEAVES`` the MLP runs ``sparse_ffn.predicted_sparse_ffn``
+instead (the predictor's top-C neurons, approximate, no fallback). The prepared
 rows are cast to the compute dtype per step (keep param and compute dtype equal for speed). Every other input
 (the prefill, batch > 1, the top-k variables, no prepared rows) takes the masked dense computation.
 C > 0 on a plain (non-gated) MLP is a ValueError.
@@ -153,10 +156,14 @@ class _MLPBase(nn.Module):
         t = get("threshold") if self.has_variable("sparsity", "threshold") else 0.0
         e = (jnp.reshape(get("gate_threshold"), ()) if self.has_variable("sparsity", "gate_threshold")
              else None)
-        y_D, acts_F, stats = sparse_ffn.sparse_ffn(
-            w, x_BTD[0, 0], t, activation=self.cfg.mlp.activation, capacity=capacity,
-            compare=self.cfg.mlp.sparse_compare, gate_threshold=e, return_stats=True,
-            return_acts=True)
+        kw = dict(activation=self.cfg.mlp.activation, capacity=capacity,
+                  compare=self.cfg.mlp.sparse_compare, gate_threshold=e, return_stats=True,
+                  return_acts=True)
+        if all(self.has_variable("sparsity", n) for n in sparse_ffn.PREDICTOR_LEAVES):
+            pred = {n: get(n) for n in sparse_ffn.PREDICTOR_LEAVES}
+            y_D, acts_F, stats = sparse_ffn.predicted_sparse_ffn(w, x_BTD[0, 0], pred, t, **kw)
+        else:
+            y_D, acts_F, stats = sparse_ffn.sparse_ffn(w, x_BTD[0, 0], t, **kw)
         self.sow("intermediates", "sparse_ffn_stats", stats)
         return y_D.reshape(x_BTD.shape), acts_F.reshape(1, 1, -1)
 
@@ -170,6 +177,7 @@ class _MLPBase(nn.Module):
         gate_BTF, up_BTF, acts_BTF = self.gate_up_acts(x_BTD.astype(dt), wi.astype(dt))
         acts_BTF = constrain(acts_BTF, ("batch", "length", "act_mlp"))
         if self.is_mutable_collection("intermediates"):  # analysis only (GLU-only studies)
+            self.sow("intermediates", "mlp_in", x_BTD)
             self.sow("intermediates", "mlp_gate", gate_BTF)
             if up_BTF is not None:
                 self.sow("intermediates", "mlp_up", up_BTF)

@@ -28,9 +28,20 @@ positive gate (the bound prunes a few more); for SwiGLU silu(g) is almost never 
 Cauchy-Schwarz bound is loose (|u_j| is typically ~sqrt(D) times smaller than it), so most neurons
 stay candidates and the dense fallback usually runs. The paper's 4.1x speed-up at 93.5% sparsity
 (2.4B ReLU model) additionally skips the gate rows with an activation *predictor* (a small network
-that guesses the active set before the gate is computed); that is approximate, not exact, and is
-not implemented here (``predicted_ffn`` is the gather-everything kernel such a predictor would
-feed, used by ``benchmarks/sparse_ffn.py`` as an upper bound).
+that guesses the active set before the gate is computed); that is approximate, not exact. It is
+here as an option (below, "Activation predictor"); ``predicted_ffn`` is the gather-everything
+kernel it feeds, used by ``benchmarks/sparse_ffn.py`` with the true active set as an upper bound.
+
+Activation predictor (approximate). A low-rank scorer per MLP, s = (x P_in) P_out + b
+(``PREDICTOR_LEAVES``: ``pred_in`` [D, r], ``pred_out`` [r, F], ``pred_bias`` [F], float32),
+trained by ``fit_predictor`` with a logistic loss to predict which neurons survive the CETT rule
+(labels from a calibration pass: ``icml_jax.analysis.sparsity.fit_predictors``). At decode
+``predicted_sparse_ffn`` takes the top-C scores (C = the capacity), computes gate, up and down
+only for those C neurons (3*D*C + D*r + r*F multiply-adds instead of 3*D*F) and applies the exact
+threshold rule to them; a neuron the predictor misses is dropped, so the output equals the masked
+dense FFN only when every kept neuron is among the C (``predictor_recall`` measures how often).
+In the decode path the MLP takes this route when the ``sparsity`` tree also holds the predictor
+leaves (and ``sparse_capacity`` > 0); there is no dense fallback.
 
 Batch 1 only: under ``vmap`` the ``lax.cond`` becomes a select and both branches would run.
 
@@ -56,6 +67,9 @@ BOUND_MARGIN = 1e-3  # relative slack on the Cauchy-Schwarz bound (float32 dot-p
 # param ``wo`` they make its ``SparseFFNWeights`` (``from_leaves``)
 ROW_LEAVES = ("gate_rows", "up_rows", "down_norm", "up_norm")
 _RULE_VARIABLES = ("threshold", "gate_threshold")  # the rules this kernel implements
+
+# ``sparsity``-collection leaves of one MLP's activation predictor (``fit_predictor``)
+PREDICTOR_LEAVES = ("pred_in", "pred_out", "pred_bias")
 
 _GATE_FNS = {"relu_glu": jax.nn.relu, "swiglu": jax.nn.silu}
 
@@ -170,6 +184,16 @@ def _rows(w_FD, idx_C, is_sorted=False):
     return w_FD.at[idx_C].get(mode="promise_in_bounds", indices_are_sorted=is_sorted)
 
 
+def _one_token(x_D, capacity: int, F: int, name: str):
+    """x as [D] after checking it is one token and 0 < capacity <= F."""
+    shape = jnp.shape(x_D)
+    if jnp.size(x_D) != shape[-1]:
+        raise ValueError(f"{name} is for one token (batch 1): x has shape {shape}")
+    if not 0 < capacity <= F:
+        raise ValueError(f"capacity must be in [1, F={F}], got {capacity}")
+    return jnp.reshape(x_D, (shape[-1],))
+
+
 def _gathered(w, x_D, idx_C, valid_C, g_C, threshold, gate_threshold, below, is_sorted=False):
     a_C = g_C * (_rows(w.w_up_FD, idx_C, is_sorted) @ x_D)
     keep = valid_C & _keep(a_C, g_C, w.down_norm_F[idx_C], threshold, gate_threshold, below)
@@ -199,13 +223,8 @@ def sparse_ffn(w: SparseFFNWeights, x_D, threshold, *, activation: str, capacity
     activations [F] (a_j where neuron j is kept, 0 elsewhere: on the gathered branch the other
     neurons' a_j are never computed); ``return_stats`` then adds
     ``{"candidates": int, "kept": int, "sparse": bool}``."""
-    shape = jnp.shape(x_D)
-    if jnp.size(x_D) != shape[-1]:
-        raise ValueError(f"sparse_ffn is for one token (batch 1): x has shape {shape}")
-    F = w.w_gate_FD.shape[0]
-    if not 0 < capacity <= F:
-        raise ValueError(f"capacity must be in [1, F={F}], got {capacity}")
-    x_D = jnp.reshape(x_D, (shape[-1],))
+    shape, F = jnp.shape(x_D), w.w_gate_FD.shape[0]
+    x_D = _one_token(x_D, capacity, F, "sparse_ffn")
     below = _below(compare)
     g_F = _gate_fn(activation)(w.w_gate_FD @ x_D)
     cand_F = candidates(w, x_D, g_F, threshold, compare=compare, gate_threshold=gate_threshold)
@@ -252,3 +271,100 @@ def capacity_from_counts(counts, F: int, quantile: float = 0.95, multiple: int =
         raise ValueError(f"quantile must be in (0, 1]; got {quantile}")
     q = float(np.quantile(c, quantile, method="higher"))
     return max(multiple, min(F, int(-(-q // multiple) * multiple)))
+
+
+# ----------------------------------------------------------------------------- activation predictor
+
+def predictor_scores(pred, x):
+    """Predictor logits [..., F] for inputs x [..., D] (``pred``: a mapping of ``PREDICTOR_LEAVES``)."""
+    x = jnp.asarray(x, jnp.float32)
+    return (x @ pred["pred_in"]) @ pred["pred_out"] + pred["pred_bias"]
+
+
+def predicted_sparse_ffn(w: SparseFFNWeights, x_D, pred, threshold, *, activation: str, capacity: int,
+                         compare: str = "lt", gate_threshold=None, return_stats: bool = False,
+                         return_acts: bool = False):
+    """``sparse_ffn``'s outputs with the C = ``capacity`` neurons the predictor scores highest in
+    place of the exact candidates (gate rows gathered too, no dense fallback): approximate, exact
+    iff every neuron the threshold rule keeps is among them. Stats: ``candidates`` = C,
+    ``kept``, ``sparse`` = True."""
+    shape, F = jnp.shape(x_D), w.w_gate_FD.shape[0]
+    x_D = _one_token(x_D, capacity, F, "predicted_sparse_ffn")
+    _, idx_C = jax.lax.top_k(predictor_scores(pred, x_D), capacity)
+    idx_C = jnp.sort(idx_C)  # sorted rows gather faster
+    g_C = _gate_fn(activation)(_rows(w.w_gate_FD, idx_C, True) @ x_D)
+    y, kept, a_C = _gathered(w, x_D, idx_C, jnp.ones((capacity,), bool), g_C, threshold,
+                             gate_threshold, _below(compare), True)
+    out = (y.reshape(shape),)
+    if return_acts:
+        out += (jnp.zeros((F,), a_C.dtype).at[idx_C].set(a_C, mode="promise_in_bounds"),)
+    if return_stats:
+        out += ({"candidates": jnp.int32(capacity), "kept": kept, "sparse": jnp.bool_(True)},)
+    return out[0] if len(out) == 1 else out
+
+
+def fit_predictor(x_ND, keep_NF, *, rank: int = 64, steps: int = 300, lr: float = 1e-2,
+                  seed: int = 0) -> dict:
+    """A low-rank activation predictor fitted to calibration data: x_ND the MLP inputs of N tokens,
+    keep_NF whether each neuron survived the threshold rule there. Full-batch Adam on the mean
+    logistic loss, positives weighted by (negatives / positives) so rare active neurons count as
+    much as the inactive majority; P_in ~ N(0, 1/D), P_out = 0, b = 0 at the start. Returns the
+    ``PREDICTOR_LEAVES`` (float32)."""
+    import optax
+    x = jnp.asarray(x_ND, jnp.float32)
+    y = jnp.asarray(keep_NF, jnp.float32)
+    if x.ndim != 2 or y.ndim != 2 or x.shape[0] != y.shape[0] or x.shape[0] == 0:
+        raise ValueError(f"fit_predictor needs x [N, D] and keep [N, F] with N > 0, got {x.shape} and "
+                         f"{y.shape}")
+    (N, D), F = x.shape, y.shape[1]
+    if not 0 < rank <= min(D, F):
+        raise ValueError(f"rank must be in [1, min(D, F)={min(D, F)}], got {rank}")
+    pos = jnp.clip(y.mean(), 1e-6, 1 - 1e-6)
+    weight = jnp.where(y > 0, (1 - pos) / pos, 1.0)
+    pred = {"pred_in": jax.random.normal(jax.random.key(seed), (D, rank)) / jnp.sqrt(D),
+            "pred_out": jnp.zeros((rank, F)), "pred_bias": jnp.zeros((F,))}
+    tx = optax.adam(lr)
+
+    def loss(p):
+        return jnp.mean(weight * optax.sigmoid_binary_cross_entropy(predictor_scores(p, x), y))
+
+    def step(carry, _):
+        p, opt = carry
+        g = jax.grad(loss)(p)
+        upd, opt = tx.update(g, opt, p)
+        return (optax.apply_updates(p, upd), opt), None
+
+    (pred, _), _ = jax.lax.scan(step, (pred, tx.init(pred)), None, length=steps)
+    return pred
+
+
+def predictor_recall(pred, x_ND, keep_NF, capacity: int) -> dict:
+    """How well the top-``capacity`` predicted neurons cover the kept ones, over N tokens:
+    ``recall`` (kept neurons inside the top-C / all kept, pooled), ``exact_share`` (tokens whose
+    every kept neuron is inside: there the predicted FFN equals the masked dense one) and
+    ``kept_mean`` (kept neurons per token)."""
+    import numpy as np
+    scores = np.asarray(predictor_scores(pred, x_ND))
+    keep = np.asarray(keep_NF, bool)
+    top = np.argpartition(-scores, capacity - 1, axis=1)[:, :capacity]
+    chosen = np.zeros_like(keep)
+    np.put_along_axis(chosen, top, True, axis=1)
+    hit = (chosen & keep).sum(1)
+    total = keep.sum(1)
+    return {"recall": float(hit.sum() / max(total.sum(), 1)),
+            "exact_share": float(np.mean(hit == total)), "kept_mean": float(total.mean())}
+
+
+def predictor_capacity(pred, x_ND, keep_NF, recall: float = 0.999, multiple: int = 8) -> int:
+    """The smallest capacity (a multiple of ``multiple``, at most F) at which the predictor's
+    top-C neurons hold at least ``recall`` of the kept neurons of the given tokens (pooled): the
+    ``recall`` quantile of the kept neurons' ranks in the predictor's order, plus one, rounded up."""
+    import numpy as np
+    scores = np.asarray(predictor_scores(pred, x_ND))
+    keep = np.asarray(keep_NF, bool)
+    F = keep.shape[1]
+    if not keep.any():
+        return multiple
+    rank = np.argsort(np.argsort(-scores, axis=1, kind="stable"), axis=1, kind="stable")
+    need = int(np.ceil(np.quantile(rank[keep], recall, method="higher"))) + 1
+    return int(min(F, max(multiple, -(-need // multiple) * multiple)))

@@ -20,7 +20,8 @@ from icml_jax.analysis.sparsity.cett import (GRID_SIZE, LayerStats, QUANTILE, ac
 from icml_jax.analysis.sparsity.evaluate import (Batch, CettProbe, MLPSites, activation_ratio,
                                                  cett_ppl_search, cett_ppl_search_checkpoints, collect_gate_up, collect_mlp,
                                                  collect_mlp_batches, default_sites, dense_loss,
-                                                 fat_baseline, sparse_apply, sparse_eval,
+                                                 fat_baseline, predictor_data, predictor_tree,
+                                                 sparse_apply, sparse_eval,
                                                  sparse_logits, sparsity_at_cett, thresholds_tree,
                                                  topk_baseline)  # noqa: F401
 from icml_jax.analysis.sparsity.laws import (fit_relu_law, fit_silu_law, relu_law, silu_law)  # noqa: F401

@@ -194,6 +194,53 @@ def default_sites(model_cfg) -> MLPSites:
     return MLPSites([(f"layer_{i}", "mlp") for i in range(L)], False, L)
 
 
+def predictor_data(model: nn.Module, params, thresholds: Sequence[float], batches: Iterable[Batch]):
+    """Calibration data for activation predictors (``models/sparse_ffn.fit_predictor``): per
+    layer (x_ND, keep_NF) over the valid tokens of ``batches`` (one dense pass each), x the MLP's
+    input and keep the CETT rule at that layer's threshold (|a_j| >= t / ||W_down[j]||, or > with
+    ``config.model.mlp.sparse_compare="le"``); also the ``MLPSites``."""
+    params, batches = _unbox(params), list(batches)
+    le = model.cfg.mlp.get("sparse_compare", "lt") == "le"
+    xs, acts, sites = [], None, None
+    for b in batches:
+        inter = _dense_sown(model, ("mlp_in", "mlp_acts"), params, b["inputs"], b["positions"],
+                            b["segment_ids"])
+        valid, scanned = _valid(b), bool(model.cfg.scan_layers)
+        per = []
+        for path in _find_sown(inter, "mlp_acts"):
+            x = _subtree(inter, path + ("mlp",))["mlp_in"][0]
+            per += [np.asarray(v, np.float32).reshape(-1, v.shape[-1])[valid] for v in _per_layer(x, scanned)]
+        xs.append(per)
+    if not xs:
+        raise ValueError("no batches given")
+    acts, sites = collect_mlp_batches(model, params, batches)
+    if len(thresholds) != len(acts):
+        raise ValueError(f"got {len(thresholds)} thresholds for {len(acts)} MLP layers")
+    out = []
+    for l, ((a_NF, w_FD), t) in enumerate(zip(acts, thresholds)):
+        bound = float(t) / np.linalg.norm(w_FD, axis=1)
+        keep = np.abs(a_NF) > bound if le else np.abs(a_NF) >= bound
+        out.append((np.concatenate([x[l] for x in xs]), keep))
+    return out, sites
+
+
+def predictor_tree(sites: MLPSites, predictors: Sequence[dict], base: dict | None = None) -> dict:
+    """A ``sparsity`` collection holding each layer's predictor leaves (``fit_predictor``'s
+    outputs, in layer order) at its MLP, merged into ``base`` (e.g. a ``thresholds_tree``)."""
+    from icml_jax.models.sparse_ffn import PREDICTOR_LEAVES
+
+    def merge(a, b):
+        out = dict(a)
+        for k, v in b.items():
+            out[k] = merge(out[k], v) if k in out and isinstance(v, dict) else v
+        return out
+
+    out = dict(base or {})
+    for name in PREDICTOR_LEAVES:
+        out = merge(out, sites.tree(name, [p[name] for p in predictors]))
+    return out
+
+
 def thresholds_tree(model_cfg, per_layer_thresholds: Sequence[float], *, sites: MLPSites | None = None) -> dict:
     """The ``sparsity`` collection for ``model.apply({"params": p, "sparsity": tree}, ...)``:
     ``layer_i/mlp/threshold`` scalars, or ``layers/mlp/threshold`` [L] when scanned."""
