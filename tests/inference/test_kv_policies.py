@@ -1,0 +1,165 @@
+"""The static-slot KV policies keep exactly the set their rule names (brute-force NumPy references)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from icml_jax.inference import kv_policies as kp
+
+T_STEPS = 48
+
+
+def _softmax(z):
+    e = np.exp(z - z.max())
+    return e / e.sum()
+
+
+def _reference_decode(policy, N, L):
+    """Set-based rule on a [T, T] logit map: the kept positions after each step t."""
+    S, acc, kept = [], {}, []
+    probs_hist = []  # (j, {n: p_j[n]}) for the queries so far
+    for t in range(L.shape[0]):
+        if len(S) == N:
+            W = policy.window
+            if policy.name == "streaming":
+                victim = min(n for n in S if n >= policy.sinks)
+            elif policy.name == "h2o":
+                victim = min((n for n in S if n < t - W), key=lambda n: acc[n])
+            elif policy.name == "morphkv":
+                old = [n for n in S if n < t - W]
+                rows = [j for j in range(max(0, t - W), t)]
+                fused = {n: [] for n in old}
+                for j in rows:
+                    a = _softmax(np.array([L[j, n] for n in old]))
+                    for n, v in zip(old, a):
+                        fused[n].append(v)
+                agg = (lambda v: sum(v)) if policy.fuse == "sum" else (lambda v: max(v) if v else 0.0)
+                victim = min(old, key=lambda n: agg(fused[n]))
+            else:
+                raise AssertionError("no decode eviction")
+            S.remove(victim)
+        S.append(t)
+        acc[t] = 0.0
+        p = _softmax(np.array([L[t, n] for n in S]))
+        for n, v in zip(S, p):
+            acc[n] += v
+        probs_hist.append(p)
+        kept.append(sorted(S))
+    return kept
+
+
+def _static_decode(policy, N, L):
+    """The jitted slot rules driven by the same logits: kept positions after each step."""
+    state = kp.init_state(policy, (1,), N)
+
+    @jax.jit
+    def step(state, t, row_T):
+        slot = kp.choose_slot(policy, state, t)
+        state = kp.write(policy, state, slot, t)
+        valid = state.pos >= 0
+        logits = jnp.where(valid, jnp.take_along_axis(row_T, jnp.clip(state.pos, 0), axis=-1), -jnp.inf)
+        probs = jax.nn.softmax(logits, axis=-1)
+        return kp.observe(policy, state, logits, probs)
+
+    kept = []
+    for t in range(L.shape[0]):
+        state = step(state, t, jnp.asarray(L[t], jnp.float32)[None])
+        pos = np.asarray(state.pos[0])
+        kept.append(sorted(int(x) for x in pos if x >= 0))
+    return kept
+
+
+@pytest.mark.parametrize("policy,N", [
+    (kp.KVPolicy("streaming", sinks=4), 12),
+    (kp.KVPolicy("h2o", window=4), 12),
+    (kp.KVPolicy("morphkv", window=4, fuse="sum"), 12),
+    (kp.KVPolicy("morphkv", window=4, fuse="max"), 12),
+    (kp.KVPolicy("morphkv", window=6, fuse="sum"), 9),
+])
+def test_evict_one_slots_keep_the_rule_set_at_every_step(policy, N):
+    L = np.random.default_rng(0).normal(size=(T_STEPS, T_STEPS)) * 2.0
+    ref = _reference_decode(policy, N, L)
+    got = _static_decode(policy, N, L)
+    assert got == ref
+    assert all(len(k) == min(t + 1, N) for t, k in enumerate(got))  # constant size once full
+
+
+def test_policies_evict_differently():
+    """The rules are not the same rule: on one logit map the kept sets differ."""
+    L = np.random.default_rng(1).normal(size=(T_STEPS, T_STEPS)) * 2.0
+    finals = {name: tuple(_static_decode(kp.KVPolicy(name, window=4), 12, L)[-1])
+              for name in ("streaming", "h2o", "morphkv")}
+    assert len(set(finals.values())) == 3, finals
+
+
+def test_morphkv_without_old_budget_is_a_sliding_window():
+    W = 5
+    L = np.random.default_rng(2).normal(size=(30, 30))
+    got = _static_decode(kp.KVPolicy("morphkv", window=W), W + 1, L)
+    assert got == [list(range(max(0, t - W), t + 1)) for t in range(30)]
+
+
+def test_budget_at_least_the_sequence_evicts_nothing():
+    L = np.random.default_rng(3).normal(size=(20, 20))
+    for name in kp.POLICIES:
+        got = _static_decode(kp.KVPolicy(name, window=4), 20, L)
+        assert got[-1] == list(range(20)), name
+
+
+def test_morph_scores_without_old_slots_are_not_nan():
+    policy = kp.KVPolicy("morphkv", window=4)
+    state = kp.init_state(policy, (2,), 8)
+    for t in range(3):  # three tokens, all inside the window: no old slot yet
+        state = kp.write(policy, state, kp.choose_slot(policy, state, t), t)
+        state = kp.observe(policy, state, jnp.zeros((2, 8)), jnp.zeros((2, 8)))
+    s = kp.morph_scores(policy, state, 3)
+    assert not np.isnan(np.asarray(s)).any() and np.isneginf(np.asarray(s)).all()
+    np.testing.assert_array_equal(kp.choose_slot(policy, state, 3), [3, 3])
+
+
+def _causal_logits(P, seed):
+    z = np.random.default_rng(seed).normal(size=(P, P)) * 2.0
+    return np.where(np.tril(np.ones((P, P), bool)), z, -np.inf)
+
+
+def _row_softmax(z):
+    e = np.exp(z - z.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def test_prefill_keep_matches_numpy_rules():
+    P, N, W = 40, 16, 6
+    z = _causal_logits(P, 4)
+    p = _row_softmax(z)
+    idx = np.arange(P)
+    # snapkv: observation window = last W queries, probabilities summed, avg-pooled (zero padded)
+    pol = kp.KVPolicy("snapkv", window=W, pool=5)
+    obs = p[P - W:].sum(0)
+    pooled = np.convolve(np.pad(obs, 2), np.ones(5) / 5, mode="valid")
+    score = np.where(idx >= P - W, np.inf, pooled)
+    want = np.sort(np.argsort(-score, kind="stable")[:N])
+    np.testing.assert_array_equal(kp.prefill_keep(pol, N, probs_PP=jnp.asarray(p, jnp.float32)), want)
+    # morphkv: rows P-1-W .. P-2, softmax over the positions older than the last W + 1
+    for fuse in ("sum", "max"):
+        pol = kp.KVPolicy("morphkv", window=W, fuse=fuse)
+        old = idx < P - 1 - W
+        a = _row_softmax(np.where(old, z[P - 1 - W:P - 1], -np.inf))
+        s = a.sum(0) if fuse == "sum" else a.max(0)
+        score = np.where(old, s, np.inf)
+        want = np.sort(np.argsort(-score, kind="stable")[:N])
+        np.testing.assert_array_equal(kp.prefill_keep(pol, N, logits_PP=jnp.asarray(z, jnp.float32)), want)
+        assert set(range(P - 1 - W, P)) <= set(want.tolist())
+    # streaming: sinks and the latest
+    got = kp.prefill_keep(kp.KVPolicy("streaming", sinks=4), N, logits_PP=jnp.asarray(z))
+    np.testing.assert_array_equal(got, list(range(4)) + list(range(P - (N - 4), P)))
+
+
+def test_bad_policies_are_clear_errors():
+    with pytest.raises(ValueError, match="choose one of"):
+        kp.KVPolicy("lru")
+    with pytest.raises(ValueError, match="fuse"):
+        kp.KVPolicy("morphkv", fuse="mean")
+    with pytest.raises(ValueError, match="window \\+ 1"):
+        kp.KVPolicy("morphkv", slots=4, window=4)
+    with pytest.raises(ValueError, match="exceed sinks"):
+        kp.KVPolicy("streaming", slots=4, sinks=4)
