@@ -54,6 +54,11 @@ def base_config() -> ml_collections.ConfigDict:
     # einsum path without a cache: queries in blocks of this many (at most 8 blocks), the key
     # blocks they are causally masked from skipped (same numbers, less work); 0 = one block
     c.model.attention_block = 64
+    # decode-time KV cache (icml_jax/inference/kv_policies.py): full | streaming | h2o | snapkv |
+    # morphkv; slots N per (row, KV head) (snapkv: its prompt budget), window W, StreamingLLM
+    # sinks, MorphKV fuse (sum | max), SnapKV pooling kernel
+    c.model.kv_policy = ml_collections.ConfigDict(
+        dict(name="full", slots=0, window=32, sinks=4, fuse="sum", pool=7))
     c.model.mlp = ml_collections.ConfigDict()
     # registry icml_jax.models.mlp: swiglu | relu_glu | relu | relu2 | gelu | gelu_tanh
     c.model.mlp.activation = "swiglu"

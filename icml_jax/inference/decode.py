@@ -254,7 +254,8 @@ def generate(model_cfg: ml_collections.ConfigDict, params, prompts_tokens: Seque
              key: jax.Array, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
              top_p: float = 1.0, stop_tokens: Sequence[int] = (), pad_id: int = 0,
              max_len: int | None = None, return_logits: bool = False, sparsity: dict | None = None,
-             sparse_capacity: int | None = None, return_sparse_stats: bool = False) -> GenerateOutput:
+             sparse_capacity: int | None = None, return_sparse_stats: bool = False,
+             kv_policy=None) -> GenerateOutput:
     """Continues each prompt (token ids) with KV-cache decoding.
 
     Args:
@@ -278,6 +279,9 @@ def generate(model_cfg: ml_collections.ConfigDict, params, prompts_tokens: Seque
             ``sparse_ffn.capacity_for(ratio, F)``); needs ``sparsity``, a gated MLP and one prompt.
             None = ``model_cfg.mlp.sparse_capacity`` (0 when absent); 0 = masked dense.
         return_sparse_stats: also return ``sparse_stats`` (see ``GenerateOutput``).
+        kv_policy: a ``kv_policies.KVPolicy`` for the decode cache (None = ``model_cfg.kv_policy``,
+            the full cache by default): streaming / h2o / morphkv keep ``slots`` per KV head and
+            evict every step once full; snapkv compresses the prompt to ``slots`` and then grows.
 
     Returns:
         ``GenerateOutput(tokens [B, N], lengths [B], logprobs [B, N], logits)`` as numpy.
@@ -291,6 +295,8 @@ def generate(model_cfg: ml_collections.ConfigDict, params, prompts_tokens: Seque
                        use_top_p=not greedy and top_p < 1.0)
     stops = jnp.asarray(list(stop_tokens) or [-1], jnp.int32)
     model_cfg = _with_capacity(model_cfg, sparse_capacity, sparsity, len(prompts_tokens))
+    if kv_policy is not None:
+        model_cfg = _with_kv_policy(model_cfg, kv_policy)
     out, lengths, lps, lgs, stats = _generate(
         build_model(model_cfg, decode=True), params, sparsity, tokens, positions, segments, key,
         jnp.float32(temperature if not greedy else 1.0), jnp.int32(top_k), jnp.float32(top_p),
@@ -299,6 +305,19 @@ def generate(model_cfg: ml_collections.ConfigDict, params, prompts_tokens: Seque
     return GenerateOutput(np.asarray(out), np.asarray(lengths), np.asarray(lps),
                           np.asarray(lgs) if return_logits else None,
                           {k: np.asarray(v) for k, v in stats.items()} if return_sparse_stats else None)
+
+
+def _with_kv_policy(model_cfg, policy):
+    """``model_cfg`` (a copy) with ``kv_policy`` set from a ``KVPolicy``, after the checks."""
+    import dataclasses
+    if policy.name != "full" and policy.name != "snapkv" and policy.slots < 1:
+        raise ValueError(f"generate: kv_policy {policy.name!r} needs slots >= 1, got {policy.slots}")
+    if model_cfg.get("residual", "standard") != "standard" and policy.name != "full":
+        raise ValueError(f"generate: kv_policy {policy.name!r} is for the transformer's attention; "
+                         f"config.model.residual={model_cfg.residual!r} has its own cache")
+    cfg = ml_collections.ConfigDict(model_cfg.to_dict())
+    cfg.kv_policy = ml_collections.ConfigDict(dataclasses.asdict(policy))
+    return cfg
 
 
 def _with_capacity(model_cfg, sparse_capacity, sparsity, batch: int):

@@ -100,7 +100,8 @@ def morph_scores(policy: KVPolicy, state: SlotState, t) -> jax.Array:
 
 
 def choose_slot(policy: KVPolicy, state: SlotState, t) -> jax.Array:
-    """The slot position t's token is written to: the first empty slot, else the policy's victim."""
+    """The slot position t's token is written to: the first empty slot, else the policy's victim.
+    ``t`` broadcasts against ``state.pos`` [..., N] (a scalar, or e.g. [B, 1, 1] per row)."""
     pos = state.pos
     empty = pos < 0
     first_empty = jnp.argmax(empty, axis=-1)
@@ -140,44 +141,68 @@ def observe(policy: KVPolicy, state: SlotState, logits, probs) -> SlotState:
     return SlotState(state.pos, score, window)
 
 
-def prefill_keep(policy: KVPolicy, slots: int, logits_PP=None, probs_PP=None) -> jax.Array:
-    """Prompt positions [..., slots] (ascending) a policy keeps of a P-token prompt, P > slots.
+def prefill_scores(policy: KVPolicy, slots: int, pos_P, valid_P, logits_PP=None, probs_PP=None):
+    """Keep priority of each prompt column [..., P]: +inf = always kept (the recent window, sinks,
+    or every real token when they fit in ``slots``), -inf = never (padding), else the policy's score.
 
-    ``logits_PP`` / ``probs_PP`` [..., P, P]: the prompt's causal group-summed raw logits and
-    group-summed attention probabilities (query row, key column). ``full`` has no rule (its cache
-    holds the whole prompt); streaming keeps the sinks and the latest tokens; h2o the window and
-    the heaviest accumulated columns; snapkv the observation window and the top pooled scores;
-    morphkv its decode rule with the last prompt token as the current one."""
+    ``pos_P`` the tokens' positions (0 at each row's first real token; rows may be left-padded),
+    ``valid_P`` real tokens; ``logits_PP`` / ``probs_PP`` [..., P, P] the prompt's causal
+    group-summed raw logits and attention probabilities (query row, key column); padding rows
+    and columns are ignored. Real tokens are right-aligned (the last column is the last token)."""
+    src = logits_PP if logits_PP is not None else probs_PP
+    P = src.shape[-1]
+    n = valid_P.sum(-1, keepdims=True)  # real tokens per row
+    last_w = pos_P >= n - 1 - policy.window  # the current (last) token and the W before it
+    if policy.name == "streaming":
+        keep = (pos_P < policy.sinks) | (pos_P >= n - (slots - policy.sinks))
+        score = jnp.where(keep, jnp.inf, NEG_INF)
+    elif policy.name == "full":
+        score = jnp.full(pos_P.shape, jnp.inf)
+    elif policy.name == "snapkv":
+        W = policy.window
+        obs = jnp.where(valid_P[..., None, :], probs_PP[..., P - W:, :], 0.0).sum(-2)  # [..., P]
+        k = policy.pool
+        lead = obs.shape[:-1]
+        pad = jnp.pad(obs, [(0, 0)] * len(lead) + [(k // 2, k // 2)])
+        pooled = sum(pad[..., i:i + P] for i in range(k)) / k
+        score = jnp.where(pos_P >= n - W, jnp.inf, pooled)
+    elif policy.name == "h2o":
+        acc = jnp.where(valid_P[..., :, None] & valid_P[..., None, :], probs_PP, 0.0).sum(-2)
+        score = jnp.where(last_w, jnp.inf, acc)
+    else:  # morphkv: the W queries before the last token score the positions older than them
+        W = policy.window
+        rows = logits_PP[..., P - 1 - W:P - 1, :]  # [..., W, P]
+        old = valid_P & ~last_w
+        z = jnp.where(old[..., None, :], rows, NEG_INF)
+        m = jnp.max(z, axis=-1, keepdims=True)
+        e = jnp.where(old[..., None, :], jnp.exp(z - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
+        tot = e.sum(-1, keepdims=True)
+        a = jnp.where(tot > 0, e / jnp.where(tot > 0, tot, 1.0), 0.0)
+        s = a.sum(-2) if policy.fuse == "sum" else a.max(-2)
+        score = jnp.where(last_w, jnp.inf, s)
+    score = jnp.where(n <= slots, jnp.inf, score)  # everything fits: keep every real token
+    return jnp.where(valid_P, score, NEG_INF)
+
+
+def prefill_select(policy: KVPolicy, slots: int, pos_P, valid_P, logits_PP=None, probs_PP=None):
+    """(column indices [..., min(slots, P)] ascending, chosen [...]: a real token was chosen there)."""
+    score = prefill_scores(policy, slots, pos_P, valid_P, logits_PP, probs_PP)
+    k = min(slots, score.shape[-1])
+    top, idx = jax.lax.top_k(score, k)
+    order = jnp.argsort(idx, axis=-1)
+    idx, top = jnp.take_along_axis(idx, order, -1), jnp.take_along_axis(top, order, -1)
+    return idx, top > NEG_INF
+
+
+def prefill_keep(policy: KVPolicy, slots: int, logits_PP=None, probs_PP=None) -> jax.Array:
+    """Prompt positions [..., slots] (ascending) a policy keeps of an unpadded P-token prompt,
+    P > slots (``prefill_scores`` with every token real)."""
     src = logits_PP if logits_PP is not None else probs_PP
     P = src.shape[-1]
     if slots >= P:
         raise ValueError(f"prefill_keep: the prompt ({P} tokens) fits in {slots} slots; keep it all")
-    idx = jnp.arange(P)
-    lead = src.shape[:-2]
     if policy.name == "full":
         raise ValueError("the full policy keeps the whole prompt: size its cache to the prompt + response")
-    if policy.name == "streaming":
-        keep = (idx < policy.sinks) | (idx >= P - (slots - policy.sinks))
-        return jnp.broadcast_to(jnp.nonzero(keep, size=slots)[0], lead + (slots,))
-    W = policy.window
-    if policy.name == "snapkv":
-        obs = probs_PP[..., P - W:, :].sum(-2)  # [..., P]
-        k = policy.pool
-        pad = jnp.pad(obs, [(0, 0)] * len(lead) + [(k // 2, k // 2)])
-        pooled = sum(pad[..., i:i + P] for i in range(k)) / k
-        recent = idx >= P - W
-        score = jnp.where(recent, jnp.inf, pooled)
-    elif policy.name == "h2o":
-        recent = idx >= P - 1 - W
-        score = jnp.where(recent, jnp.inf, probs_PP.sum(-2))
-    else:  # morphkv: the W queries before the last token score the positions older than them
-        recent = idx >= P - 1 - W
-        rows = logits_PP[..., P - 1 - W:P - 1, :]  # [..., W, P]
-        old = ~recent
-        z = jnp.where(old, rows, NEG_INF)
-        a = jax.nn.softmax(z, axis=-1)
-        a = jnp.where(old, a, 0.0)
-        s = a.sum(-2) if policy.fuse == "sum" else a.max(-2)
-        score = jnp.where(recent, jnp.inf, s)
-    _, top = jax.lax.top_k(score, slots)
-    return jnp.sort(top, axis=-1)
+    lead = src.shape[:-2]
+    pos = jnp.broadcast_to(jnp.arange(P), lead + (P,))
+    return prefill_select(policy, slots, pos, jnp.ones(lead + (P,), bool), logits_PP, probs_PP)[0]

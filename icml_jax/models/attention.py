@@ -109,6 +109,109 @@ class KVCache(nn.Module):
         return ck.value, cv.value, cpos.value, cseg.value, q_idx, k_idx
 
 
+def kv_policy_of(model_cfg):
+    """The ``config.model.kv_policy`` as a ``KVPolicy``, or None for today's full cache."""
+    from icml_jax.inference.kv_policies import KVPolicy
+    pc = model_cfg.get("kv_policy", None)
+    if pc is None or pc.get("name", "full") == "full":
+        return None
+    return KVPolicy(**{k: pc[k] for k in ("name", "slots", "window", "sinks", "fuse", "pool") if k in pc})
+
+
+class PolicyKVCache(nn.Module):
+    """A decode cache run by a ``kv_policies.KVPolicy``: N slots per (row, KV head), keys stored after
+    the position embedding, per-head kept sets. The prefill attends within the prompt and keeps
+    the policy's choice of its real tokens; each decode step writes the new token into the slot
+    ``choose_slot`` names and attends over that head's valid slots. N = ``policy.slots``
+    (``snapkv``: the size the cache is initialised with, its prompt compressed to ``slots``)."""
+    policy: object
+    window_mask: int = 0  # config.model.sliding_window
+
+    @nn.compact
+    def __call__(self, q_BTGRK, k_BTGK, v_BTGK, positions_BT, segment_ids_BT, bias_fn):
+        from icml_jax.inference import kv_policies as kp
+        pol = self.policy
+        B, T, G, R, K = q_BTGRK.shape
+        ready = self.has_variable("cache", "k")
+        N = T if pol.name == "snapkv" or not pol.slots else pol.slots  # init sees the full size
+        W = pol.window if pol.name == "morphkv" else 0
+        ck = self.variable("cache", "k", jnp.zeros, (B, G, N, K), k_BTGK.dtype)
+        cv = self.variable("cache", "v", jnp.zeros, (B, G, N, K), v_BTGK.dtype)
+        init = kp.init_state(pol, (B, G), N)
+        spos = self.variable("cache", "slot_pos", lambda: init.pos)
+        sscore = self.variable("cache", "slot_score", lambda: init.score)
+        swin = self.variable("cache", "slot_window", lambda: init.window)
+        N = ck.value.shape[2]
+        scale = K ** -0.5
+        if not ready or T > 1:  # init or prefill: attend within the input, then keep the policy's slots
+            idx = jnp.broadcast_to(jnp.arange(T), (B, T))
+            mask = attention_mask(segment_ids_BT, segment_ids_BT, idx, idx, positions_BT, positions_BT,
+                                  self.window_mask)
+            z = upcast(jnp.einsum("BTGRK,BSGK->BGRTS", q_BTGRK, k_BTGK)) * scale
+            bias = bias_fn(positions_BT, positions_BT)
+            if bias is not None:
+                z = z + bias
+            z = jnp.where(mask[:, None, None], z, NEG_INF)
+            probs = jax.nn.softmax(z, axis=-1)
+            o = jnp.einsum("BGRTS,BSGK->BTGRK", probs.astype(v_BTGK.dtype), v_BTGK)
+            if ready:
+                self._fill(ck, cv, spos, sscore, swin, k_BTGK, v_BTGK, positions_BT, segment_ids_BT,
+                           jnp.where(mask[:, None, None], z, -jnp.inf).sum(2), probs.sum(2), N, W)
+            return o
+        state = kp.SlotState(spos.value, sscore.value, swin.value)
+        t = positions_BT[:, :1, None]  # [B, 1, 1]: the new token's position, against [B, G, N]
+        slot = kp.choose_slot(pol, state, t)
+        state = kp.write(pol, state, slot, t)
+        hit = (jnp.arange(N) == slot[..., None])[..., None]  # [B, G, N, 1]
+        ck.value = jnp.where(hit, jnp.swapaxes(k_BTGK, 1, 2).astype(ck.value.dtype), ck.value)
+        cv.value = jnp.where(hit, jnp.swapaxes(v_BTGK, 1, 2).astype(cv.value.dtype), cv.value)
+        z = upcast(jnp.einsum("BGRK,BGNK->BGRN", q_BTGRK[:, 0], ck.value)) * scale
+        bias = bias_fn(positions_BT, jnp.clip(state.pos[:, 0], 0))
+        if bias is not None:  # per-head slot positions: the bias of head g from its own positions
+            per = jax.vmap(lambda p: bias_fn(positions_BT, p), in_axes=1, out_axes=0)(jnp.clip(state.pos, 0))
+            z = z + jnp.stack([per[g][:, g] for g in range(G)], axis=1)[:, :, :, 0]
+        valid = state.pos >= 0
+        if self.window_mask:
+            valid &= (t - state.pos) < self.window_mask
+        z_masked = jnp.where(valid[:, :, None], z, NEG_INF)
+        probs = jax.nn.softmax(z_masked, axis=-1)
+        o = jnp.einsum("BGRN,BGNK->BGRK", probs.astype(cv.value.dtype), cv.value)
+        state = kp.observe(pol, state, z.sum(2), probs.sum(2))
+        spos.value, sscore.value, swin.value = state
+        return o[:, None]
+
+    def _fill(self, ck, cv, spos, sscore, swin, k_BSGK, v_BSGK, pos_BS, seg_BS, zsum_BGTS, psum_BGTS, N, W):
+        """Keeps the policy's prompt slots: k/v, positions, h2o's accumulated scores and MorphKV's
+        window (the last W prompt queries' logit rows at the kept columns)."""
+        from icml_jax.inference import kv_policies as kp
+        B, S, G, K = k_BSGK.shape
+        valid = jnp.broadcast_to((seg_BS > 0)[:, None], (B, G, S))
+        pos = jnp.broadcast_to(pos_BS[:, None], (B, G, S))
+        keep_n = self.policy.slots or N  # snapkv: its prompt budget, the rest grows during decode
+        idx, chosen = kp.prefill_select(self.policy, keep_n, pos, valid, zsum_BGTS, psum_BGTS)  # [B, G, n]
+        n = idx.shape[-1]
+        take = lambda x: jnp.take_along_axis(x, idx, axis=-1)  # noqa: E731
+        kk = jnp.take_along_axis(jnp.swapaxes(k_BSGK, 1, 2), idx[..., None], axis=2)
+        vv = jnp.take_along_axis(jnp.swapaxes(v_BSGK, 1, 2), idx[..., None], axis=2)
+        fill = lambda x, val: jnp.concatenate(  # noqa: E731
+            [x, jnp.full(x.shape[:2] + (N - n,) + x.shape[3:], val, x.dtype)], axis=2) if N > n else x
+        ck.value = fill(kk.astype(ck.value.dtype), 0)
+        cv.value = fill(vv.astype(cv.value.dtype), 0)
+        slot_pos = jnp.where(chosen, take(pos), -1).astype(jnp.int32)
+        acc = jnp.where(chosen, take(jnp.where(valid[..., None, :], psum_BGTS, 0.0).sum(-2)), 0.0)
+        pad_last = lambda x, val: (jnp.concatenate(  # noqa: E731
+            [x, jnp.full(x.shape[:-1] + (N - n,), val, x.dtype)], axis=-1) if N > n else x)
+        spos.value = pad_last(slot_pos, -1)
+        sscore.value = pad_last(acc.astype(jnp.float32), 0.0)
+        if W:
+            rows = zsum_BGTS[:, :, max(0, S - W):, :]  # [B, G, w, S]
+            rows = jnp.take_along_axis(rows, jnp.broadcast_to(idx[:, :, None], rows.shape[:3] + (n,)), -1)
+            rows = jnp.where(chosen[:, :, None], rows, -jnp.inf)
+            if rows.shape[2] < W:
+                rows = jnp.concatenate([jnp.full(rows.shape[:2] + (W - rows.shape[2], n), -jnp.inf), rows], 2)
+            swin.value = pad_last(rows.astype(jnp.float32), -jnp.inf)
+
+
 class Attention(nn.Module):
     cfg: ml_collections.ConfigDict
     decode: bool = False
@@ -135,7 +238,9 @@ class Attention(nn.Module):
         self.w_out = param(self, "out", init, (G, R, K, c.d_model),
                            ("kv_heads", None, "head_dim", "embed"), pdt)
         if self.decode:
-            self.kv_cache = KVCache()
+            policy = kv_policy_of(c)
+            self.kv_cache = (KVCache() if policy is None
+                             else PolicyKVCache(policy, c.sliding_window))
 
     def project_qkv(self, x_BTD):
         """x [B, T, D] -> q [B, T, G, R, K], k [B, T, G, K], v [B, T, G, K]."""
@@ -178,6 +283,9 @@ class Attention(nn.Module):
     def __call__(self, x_BTD, positions_BT, segment_ids_BT):
         q, k, v = self.project_qkv(x_BTD)
         q, k = self.position(q, k, positions_BT, positions_BT)
+        if self.decode and isinstance(self.kv_cache, PolicyKVCache):
+            o = self.kv_cache(q, k, v, positions_BT, segment_ids_BT, self.position.bias)
+            return self.project_out(o.astype(q.dtype))
         if self.decode:
             k, v, k_pos, k_seg, q_idx, k_idx = self.kv_cache(k, v, positions_BT, segment_ids_BT)
         else:

@@ -163,3 +163,71 @@ def test_bad_policies_are_clear_errors():
         kp.KVPolicy("morphkv", slots=4, window=4)
     with pytest.raises(ValueError, match="exceed sinks"):
         kp.KVPolicy("streaming", slots=4, sinks=4)
+
+
+# ----------------------------------------------------------------------------- in generate
+
+PROMPTS = [[1, 40, 51, 62, 73, 84, 95, 17, 23, 31, 45, 58], [1, 9, 27, 81]]
+N_NEW = 12
+
+
+def _lm(**model):
+    from icml_jax.config_utils import load_config
+    from icml_jax.models.decoder import build_model
+    cfg = load_config("configs/lm.py:tiny", unlocked=True).model
+    cfg.update(model)
+    m = build_model(cfg)
+    params = jax.jit(lambda key: jax.tree.map(lambda x: x * 4.0, m.init(key, jnp.zeros((1, 8), jnp.int32))["params"]))(
+        jax.random.key(0))
+    return cfg, params
+
+
+def _gen(cfg, params, prompts=PROMPTS, **kw):
+    from icml_jax.inference.decode import generate
+    return generate(cfg, params, prompts, key=jax.random.key(0), max_new_tokens=N_NEW, temperature=0,
+                    return_logits=True, **kw)
+
+
+@pytest.mark.parametrize("scan_layers,position", [(False, "rope"), (True, "rope"), (False, "alibi")])
+def test_every_policy_with_room_for_everything_equals_the_full_cache(scan_layers, position):
+    """Slots >= prompt + response: no eviction, so each policy's decode (left-padded batch, GQA)
+    gives the full cache's tokens and logits."""
+    cfg, params = _lm(scan_layers=scan_layers, position=position)
+    full = _gen(cfg, params)
+    room = 16 + N_NEW  # the prompt bucket + the response
+    for name in ("streaming", "h2o", "morphkv", "snapkv"):
+        out = _gen(cfg, params, kv_policy=kp.KVPolicy(name, slots=room, window=4, sinks=2))
+        np.testing.assert_array_equal(out.tokens, full.tokens, err_msg=name)
+        np.testing.assert_allclose(out.logits, full.logits, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("position", ["rope", "alibi"])
+def test_evicting_caches_equal_sliding_window_attention(position):
+    """StreamingLLM without sinks and MorphKV without an old budget keep exactly the last N
+    tokens, which is sliding-window attention of width N with the full cache (prompt <= N); the
+    caches hold N slots per KV head, and fewer slots change the output."""
+    from icml_jax.inference.decode import init_cache
+    from icml_jax.models.decoder import build_model
+    prompts = [PROMPTS[0][:6]]
+    cfg, params = _lm(position=position)
+    N = 7
+    cfg_w = ml_collections_copy(cfg, sliding_window=N)
+    ref = _gen(cfg_w, params, prompts)
+    for pol in (kp.KVPolicy("streaming", slots=N, sinks=0), kp.KVPolicy("morphkv", slots=N, window=N - 1)):
+        out = _gen(cfg, params, prompts, kv_policy=pol)
+        np.testing.assert_array_equal(out.tokens, ref.tokens, err_msg=pol.name)
+        np.testing.assert_allclose(out.logits, ref.logits, rtol=1e-5, atol=1e-5, err_msg=pol.name)
+    full = _gen(cfg, params, prompts)
+    assert np.abs(full.logits - ref.logits).max() > 1e-3  # the window matters: the test has teeth
+    from icml_jax.inference.decode import _with_kv_policy
+    cache = init_cache(build_model(_with_kv_policy(cfg, kp.KVPolicy("h2o", slots=N, window=2)), decode=True),
+                       1, 16 + N_NEW)
+    shapes = {jax.tree_util.keystr(p): x.shape for p, x in jax.tree_util.tree_flatten_with_path(cache)[0]}
+    assert all(s[2] == N for k, s in shapes.items() if k.endswith("['k']") or k.endswith("['v']")), shapes
+
+
+def ml_collections_copy(cfg, **kw):
+    import ml_collections
+    c = ml_collections.ConfigDict(cfg.to_dict())
+    c.update(kw)
+    return c
