@@ -197,6 +197,54 @@ def _generate(model, params, sparsity, tokens_BP, positions_BP, segments_BP, key
     return out, lengths, lps, lgs, stats
 
 
+# ----------------------------------------------------------------------------- teacher-forced scoring
+
+@functools.partial(jax.jit, static_argnames=("model", "prompt_len"))
+def _scored(model, params, tokens_BT, *, prompt_len: int):
+    B, T = tokens_BT.shape
+    P = prompt_len
+    cache = init_cache(model, B, T)
+    pos_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    seg_BT = jnp.ones((B, T), jnp.int32)
+    logits_BPV, mut = model.apply({"params": params, "cache": cache}, tokens_BT[:, :P], pos_BT[:, :P],
+                                  seg_BT[:, :P], mutable=["cache"])
+    lp_prompt = jnp.take_along_axis(jax.nn.log_softmax(logits_BPV[:, :-1].astype(jnp.float32), -1),
+                                    tokens_BT[:, 1:P, None], -1)[..., 0]  # [B, P - 1]
+
+    def body(carry, i):
+        cache, last_BV = carry
+        tok_B = jax.lax.dynamic_index_in_dim(tokens_BT, i, axis=1, keepdims=False)
+        lp_B = jnp.take_along_axis(jax.nn.log_softmax(last_BV, -1), tok_B[:, None], -1)[:, 0]
+        logits, mut = model.apply({"params": params, "cache": cache}, tok_B[:, None],
+                                  jax.lax.dynamic_slice_in_dim(pos_BT, i, 1, axis=1),
+                                  jnp.ones((B, 1), jnp.int32), last_only=True, mutable=["cache"])
+        return (mut["cache"], logits[:, -1].astype(jnp.float32)), lp_B
+
+    _, lps = jax.lax.scan(body, (mut["cache"], logits_BPV[:, -1].astype(jnp.float32)),
+                          jnp.arange(P, T))
+    return jnp.concatenate([lp_prompt, lps.T], axis=1)
+
+
+def scored_decode(model_cfg: ml_collections.ConfigDict, params, tokens, *, prompt_len: int,
+                  kv_policy=None) -> np.ndarray:
+    """Teacher-forced scoring through the decode cache: the first ``prompt_len`` tokens of each
+    row are one prefill, then every later token is fed one at a time through the cached step (with
+    ``kv_policy``'s evictions, if any). Returns log p(token_i | tokens_<i) [B, T - 1] float32 for
+    i = 1..T-1, the quantity a full forward gives when nothing is evicted. ``tokens`` [B, T] int,
+    all rows real tokens (no padding)."""
+    tokens = np.asarray(tokens, np.int32)
+    if tokens.ndim != 2 or not 1 <= prompt_len < tokens.shape[1]:
+        raise ValueError(f"scored_decode: tokens must be [B, T] with 1 <= prompt_len < T; got shape "
+                         f"{tokens.shape} and prompt_len={prompt_len}")
+    if tokens.shape[1] > model_cfg.max_seq_len:
+        raise ValueError(f"scored_decode: {tokens.shape[1]} tokens exceed the model's max_seq_len="
+                         f"{model_cfg.max_seq_len}")
+    if kv_policy is not None:
+        model_cfg = _with_kv_policy(model_cfg, kv_policy)
+    return np.asarray(_scored(build_model(model_cfg, decode=True), params, jnp.asarray(tokens),
+                              prompt_len=int(prompt_len)))
+
+
 # ----------------------------------------------------------------------------- host-side driver
 
 def bucket_length(n: int) -> int:

@@ -231,3 +231,31 @@ def ml_collections_copy(cfg, **kw):
     c = ml_collections.ConfigDict(cfg.to_dict())
     c.update(kw)
     return c
+
+
+def test_scored_decode_equals_the_full_forward_and_a_sliding_window_model():
+    """Teacher-forced scoring through the cached step: with the full cache (and a policy with room)
+    it gives the full forward's per-token log-probs; StreamingLLM without sinks while evicting
+    gives the log-probs of a sliding-window model's full forward."""
+    from icml_jax.inference.decode import scored_decode
+    from icml_jax.models.decoder import build_model
+    cfg, params = _lm()
+    toks = np.asarray(jax.random.randint(jax.random.key(7), (2, 24), 1, cfg.vocab_size))
+
+    def forward_lp(c):
+        logits = build_model(c).apply({"params": params}, jnp.asarray(toks))
+        lp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), -1)
+        return np.take_along_axis(np.asarray(lp), toks[:, 1:, None], -1)[..., 0]
+
+    ref = forward_lp(cfg)
+    np.testing.assert_allclose(scored_decode(cfg, params, toks, prompt_len=5), ref, rtol=1e-5, atol=2e-5)
+    np.testing.assert_allclose(scored_decode(cfg, params, toks, prompt_len=5,
+                                             kv_policy=kp.KVPolicy("h2o", slots=24, window=4)),
+                               ref, rtol=1e-5, atol=2e-5)
+    N = 6
+    win = forward_lp(ml_collections_copy(cfg, sliding_window=N))
+    got = scored_decode(cfg, params, toks, prompt_len=4, kv_policy=kp.KVPolicy("streaming", slots=N, sinks=0))
+    np.testing.assert_allclose(got, win, rtol=1e-5, atol=2e-5)
+    assert np.abs(win - ref).max() > 1e-3
+    with pytest.raises(ValueError, match="prompt_len"):
+        scored_decode(cfg, params, toks, prompt_len=24)
