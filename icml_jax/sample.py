@@ -48,9 +48,24 @@ def load_hf_folder(path: str):
         raise SampleError(f"--hf={path}: no such folder")
     try:
         model_cfg, params = load_hf(path)
-        return model_cfg, params, load_hf_tokenizer(path), path
+        return model_cfg, params, load_hf_tokenizer(path, require_eos=False), path
     except (ValueError, KeyError, OSError) as e:  # interop errors name the file and the tensor
         raise SampleError(f"--hf={path}: {str(e).strip(chr(34) + chr(39))}") from None
+
+
+def prompt_ids(tok, text: str) -> list[int]:
+    """A prompt's ids: an HF tokenizer's own template (``encode_prompt``, as ``transformers``
+    encodes it), else BOS + the text (our tokenizers)."""
+    if hasattr(tok, "encode_prompt"):
+        return list(tok.encode_prompt(text))
+    return [tok.bos_id] + list(tok.encode(text))
+
+
+def continuation_text(tok, prompt: str, prompt_ids_: list, new_ids: list) -> str:
+    """The prompt followed by the continuation with the spacing the tokenizer's decoder gives to
+    the whole sequence (decoding the new ids alone drops e.g. SentencePiece's leading space)."""
+    whole, head = tok.decode(list(prompt_ids_) + list(new_ids)), tok.decode(list(prompt_ids_))
+    return prompt + (whole[len(head):] if whole.startswith(head) else tok.decode(new_ids))
 
 
 def run(argv_flags) -> list[str]:
@@ -68,7 +83,11 @@ def run(argv_flags) -> list[str]:
         model_cfg = config.model
     else:
         model_cfg, params, tok, where = load_hf_folder(f.hf)
-    encoded = [[tok.bos_id] + list(tok.encode(p)) for p in f.prompt]
+    encoded = [prompt_ids(tok, p) for p in f.prompt]
+    for p, e in zip(f.prompt, encoded):
+        if not e:
+            raise SampleError(f"prompt {p!r} encodes to no tokens (the tokenizer's template adds none); "
+                              "give a non-empty prompt")
     for p, e in zip(f.prompt, encoded):
         if len(e) + f.max_new_tokens > model_cfg.max_seq_len:
             raise SampleError(
@@ -80,6 +99,9 @@ def run(argv_flags) -> list[str]:
         params, step = workdir_lib.latest_params(f.checkpoint, model_cfg)
         where = f"{f.checkpoint} step {step}"
     stops = tuple(getattr(tok, "eos_ids", (tok.eos_id,)))
+    if not stops:
+        print(f"warning: the tokenizer has no EOS token: every sample runs to --max_new_tokens="
+              f"{f.max_new_tokens}", file=sys.stderr)
     rows = [e for e in encoded for _ in range(f.num_samples)]
     import jax  # pylint: disable=g-import-not-at-top
 
@@ -97,7 +119,7 @@ def run(argv_flags) -> list[str]:
         ids = row[:n].tolist()
         if ids and ids[-1] in stops:
             ids = ids[:-1]
-        text = f.prompt[i // f.num_samples] + tok.decode(ids)
+        text = continuation_text(tok, f.prompt[i // f.num_samples], rows[i], ids)
         texts.append(text)
         print(f"--- sample {i % f.num_samples + 1} of prompt {i // f.num_samples + 1} ---\n{text}")
     return texts

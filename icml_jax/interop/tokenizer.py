@@ -28,6 +28,12 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """``text`` as ``transformers`` encodes a prompt (``add_special_tokens=True``): the
+        tokenizer's own template (its post-processor) adds whatever special tokens it adds, e.g.
+        BOS for Llama and nothing for Qwen2."""
+        return list(self._tok.encode(text, add_special_tokens=True).ids)
+
     def encode_np(self, text: str) -> np.ndarray:
         return np.asarray(self.encode(text), dtype=np.int32)
 
@@ -62,8 +68,10 @@ def _ids(value) -> list[int]:
 
 
 def load_hf_tokenizer(path: str, *, bos_id: int | None = None, eos_id: int | None = None,
-                      pad_id: int | None = None) -> HFTokenizer:
-    """Loads ``path/tokenizer.json`` (``path`` may also be the file itself)."""
+                      pad_id: int | None = None, require_eos: bool = True) -> HFTokenizer:
+    """Loads ``path/tokenizer.json`` (``path`` may also be the file itself). Without any eos id a
+    ValueError, or with ``require_eos=False`` a warning and ``eos_ids = ()``, ``eos_id = -1``
+    (generation then runs to its token limit; bos and pad fall back to id 0)."""
     from tokenizers import Tokenizer  # pylint: disable=g-import-not-at-top
 
     folder = path if os.path.isdir(path) else os.path.dirname(path)
@@ -84,12 +92,20 @@ def load_hf_tokenizer(path: str, *, bos_id: int | None = None, eos_id: int | Non
         return next((f for f in found if f), [])
 
     eos = pick(eos_id, "eos")
+    missing = f"{folder}: no eos token found in tokenizer_config.json, generation_config.json or config.json"
+    if not eos and require_eos:
+        raise ValueError(f"{missing}; pass eos_id= explicitly")
     if not eos:
-        raise ValueError(f"{folder}: no eos token found in tokenizer_config.json, "
-                         "generation_config.json or config.json; pass eos_id= explicitly")
-    bos, pad = pick(bos_id, "bos") or eos[:1], pick(pad_id, "pad") or eos[:1]
-    out = HFTokenizer(tok, bos_id=bos[0], eos_id=eos[0], pad_id=pad[0], eos_ids=eos, path=file)
-    for name, i in (("bos", out.bos_id), ("eos", out.eos_id), ("pad", out.pad_id)):
+        import warnings
+        warnings.warn(f"{missing}: generation runs to its token limit", stacklevel=2)
+    fallback = eos[:1] or [0]
+    bos, pad = pick(bos_id, "bos") or fallback, pick(pad_id, "pad") or fallback
+    out = HFTokenizer(tok, bos_id=bos[0], eos_id=eos[0] if eos else -1, pad_id=pad[0], eos_ids=eos,
+                      path=file)
+    if not eos:
+        out.eos_ids = ()
+    checks = (("bos", out.bos_id), ("pad", out.pad_id)) + ((("eos", out.eos_id),) if eos else ())
+    for name, i in checks:
         if not 0 <= i < out.vocab_size:
             raise ValueError(f"{folder}: {name} id {i} is outside the vocabulary [0, {out.vocab_size})")
     return out

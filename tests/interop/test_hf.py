@@ -494,3 +494,75 @@ def test_tokenizer_ids_from_config_json_and_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         load_hf_tokenizer(str(tmp_path))
 
+
+
+def _word_tokenizer(folder, template: bool):
+    """A Metaspace word-level tokenizer (SentencePiece-style spacing, < V ids); with ``template``
+    its post-processor prepends <s> as Llama's does, without it adds nothing as Qwen2's."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    words = ["<unk>", "<s>", "</s>", "▁To", "▁be,", "▁or", "▁not", "▁to", "▁be", "▁that", "▁is",
+             "▁the", "▁question", "▁Hello", "▁world"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    if template:
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    os.makedirs(folder, exist_ok=True)
+    tok.save(os.path.join(folder, "tokenizer.json"))
+    return os.path.join(folder, "tokenizer.json")
+
+
+@pytest.mark.parametrize("template", [False, True])
+def test_prompts_are_encoded_as_transformers_encodes_them(tmp_path, template):
+    """encode_prompt / sample.prompt_ids follow the tokenizer's own template (BOS for a Llama-style
+    post-processor, nothing for a Qwen2-style one), as transformers' tokenizer(text) does."""
+    from transformers import PreTrainedTokenizerFast
+    from icml_jax.sample import prompt_ids
+    folder = str(tmp_path / "tok")
+    file = _word_tokenizer(folder, template)
+    json.dump({"eos_token": "</s>"}, open(os.path.join(folder, "tokenizer_config.json"), "w"))
+    tok = load_hf_tokenizer(folder)
+    hf = PreTrainedTokenizerFast(tokenizer_file=file)
+    for text in ["To be, or not to be", "Hello world"]:
+        assert prompt_ids(tok, text) == hf(text)["input_ids"]
+        assert (prompt_ids(tok, text)[0] == 1) == template
+
+
+def test_greedy_continuation_of_text_prompt_equals_transformers(saved, tmp_path):
+    """A Qwen2 checkpoint with a template-free tokenizer: the prompt text goes in as transformers
+    encodes it (no BOS prepended) and the greedy continuation equals transformers.generate's."""
+    import shutil
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    from icml_jax.inference.decode import generate
+    from icml_jax.sample import load_hf_folder, prompt_ids
+    folder = str(tmp_path / "qwen2")
+    shutil.copytree(saved("qwen2_bias")[0], folder)
+    file = _word_tokenizer(folder, template=False)
+    model_cfg, params, tok, _ = load_hf_folder(folder)
+    text = "To be, or not to be that is"
+    ids = prompt_ids(tok, text)
+    hf_tok = PreTrainedTokenizerFast(tokenizer_file=file)
+    assert ids == hf_tok(text)["input_ids"] and tok.bos_id not in ids[:1]
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([ids]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                             pad_token_id=0)[0, len(ids):].tolist()
+    ours = generate(model_cfg, params, [ids], key=jax.random.key(0), max_new_tokens=8, temperature=0)
+    assert ours.tokens[0].tolist() == ref
+
+
+def test_missing_eos_warns_and_continuation_keeps_the_decoders_spacing(tmp_path):
+    """Without an EOS anywhere the tokenizer loads with a warning (require_eos=False: generation
+    runs to its limit); the printed continuation has the spacing of the whole sequence's decode."""
+    from icml_jax.sample import continuation_text
+    folder = str(tmp_path / "tok")
+    _word_tokenizer(folder, template=False)
+    with pytest.raises(ValueError, match="no eos token found"):
+        load_hf_tokenizer(folder)
+    with pytest.warns(UserWarning, match="no eos token found"):
+        tok = load_hf_tokenizer(folder, require_eos=False)
+    assert tok.eos_ids == () and tok.eos_id == -1
+    p = tok.encode_prompt("Hello")
+    assert tok.decode(tok.encode("world")) == "world"  # alone, the leading space is gone
+    assert continuation_text(tok, "Hello", p, tok.encode("world")) == "Hello world"
