@@ -1,0 +1,118 @@
+"""Collaborative decoding and its speculative drivers (Naive-CoS, CoS) give the same outputs."""
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from icml_jax.inference import collab
+
+V = 6
+COMBINERS = [collab.Combiner("we", weight_a=0.4), collab.Combiner("cd", alpha=0.3), collab.Combiner("target")]
+
+
+def _tables(seed=0, V=V):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(V, V)) * 1.5, rng.normal(size=(V, V)) * 1.5
+
+
+@pytest.mark.parametrize("combiner", COMBINERS, ids=lambda c: c.name)
+def test_greedy_speculative_equals_greedy_collaborative(combiner):
+    ta, tb = _tables(1, V=10)
+    ref = collab.collaborative_decode(collab.TableLM(ta), collab.TableLM(tb), [3], 40, combiner, temperature=0)
+    for gamma, alternate in itertools.product((1, 3, 5), (False, True)):
+        a, b = collab.TableLM(ta), collab.TableLM(tb)
+        got = collab.speculative_decode(a, b, [3], 40, combiner, gamma=gamma, temperature=0, alternate=alternate)
+        assert got == ref, (gamma, alternate)
+
+
+def _exact_sequence_probs(combiner, ta, tb, first, n):
+    """P(y_1..y_n) under ancestral sampling from r (tables: next logits depend on the last token)."""
+    probs = {}
+    for seq in itertools.product(range(V), repeat=n):
+        p, prev = 1.0, first
+        for y in seq:
+            p *= combiner(ta[prev], tb[prev])[y]
+            prev = y
+        probs[seq] = p
+    return probs
+
+
+def _chi2_pvalue(sampler, exact, runs):
+    counts = {k: 0 for k in exact}
+    for s in range(runs):
+        counts[tuple(sampler(s))] += 1
+    keys = sorted(exact)
+    obs = np.array([counts[k] for k in keys], float)
+    exp = np.array([exact[k] for k in keys]) * runs
+    big = exp >= 5  # pool the rare cells
+    obs = np.append(obs[big], obs[~big].sum())
+    exp = np.append(exp[big], exp[~big].sum())
+    return stats.chisquare(obs, exp).pvalue
+
+
+@pytest.mark.parametrize("combiner", COMBINERS[:2], ids=lambda c: c.name)
+def test_sampled_tokens_follow_r_and_a_wrong_rule_is_caught(combiner, monkeypatch):
+    """T = 1, 3 tokens, V = 6: a chi-square test cannot tell CoS (and Naive-CoS) from ancestral
+    sampling of r, and does tell an always-accept rule apart."""
+    ta, tb = _tables(2)
+    exact = _exact_sequence_probs(combiner, ta, tb, 0, 3)
+    runs = 4000
+
+    def run(alternate):
+        return lambda s: collab.speculative_decode(collab.TableLM(ta), collab.TableLM(tb), [0], 3, combiner,
+                                                   gamma=2, temperature=1.0, alternate=alternate, seed=s)
+    for alternate in (True, False):
+        assert _chi2_pvalue(run(alternate), exact, runs) > 1e-3, alternate
+    monkeypatch.setattr(collab, "_accept", lambda rng, r, q, x, greedy: True)
+    assert _chi2_pvalue(run(True), exact, runs) < 1e-6
+
+
+def test_edge_cases_and_counts():
+    ta, tb = _tables(3)
+    # r = q (all weight on the drafting model): every draft is accepted
+    st = {}
+    collab.speculative_decode(collab.TableLM(ta), collab.TableLM(tb), [1], 30, collab.Combiner("we", weight_a=1.0),
+                              gamma=3, temperature=1.0, alternate=False, stats=st)
+    assert st["accepted"] == st["drafted"] > 0
+    # cd with alpha 0 is model b alone
+    r = collab.Combiner("cd", alpha=0.0)(ta[0], tb[0])
+    np.testing.assert_allclose(r, collab.Combiner("target")(ta[0], tb[0]))
+    # speculation calls the verifier less often than once per token
+    a, b = collab.TableLM(ta), collab.TableLM(tb)
+    collab.speculative_decode(a, b, [1], 30, collab.Combiner("we", weight_a=0.8), gamma=4, temperature=0)
+    assert b.calls < 30 / 2
+    with pytest.raises(ValueError, match="combiner"):
+        collab.Combiner("mix")
+
+
+def _tiny(seed, **model):
+    from icml_jax.config_utils import load_config
+    from icml_jax.models.decoder import build_model
+    cfg = load_config("configs/lm.py:tiny", unlocked=True).model
+    cfg.update(model)
+    m = build_model(cfg)
+    params = jax.jit(lambda k: jax.tree.map(lambda x: x * 4.0, m.init(k, jnp.zeros((1, 8), jnp.int32))["params"]))(
+        jax.random.key(seed))
+    return cfg, params
+
+
+def test_flax_models_greedy_cos_equals_collaborative_and_rollback_is_exact():
+    """Two decoders of different depth: greedy CoS equals greedy collaborative decoding; after a
+    rollback the cache gives the logits of a cache that never saw the dropped tokens."""
+    (ca, pa), (cb, pb) = _tiny(0, num_layers=1), _tiny(1, num_layers=2)
+    comb = collab.Combiner("we", weight_a=0.5)
+    ref = collab.collaborative_decode(collab.FlaxLM(ca, pa, 64), collab.FlaxLM(cb, pb, 64), [1, 5, 9], 16, comb,
+                                      temperature=0)
+    st = {}
+    got = collab.speculative_decode(collab.FlaxLM(ca, pa, 64), collab.FlaxLM(cb, pb, 64), [1, 5, 9], 16, comb,
+                                    gamma=3, temperature=0, stats=st)
+    assert got == ref and st["rounds"] < 16
+    lm, fresh = collab.FlaxLM(cb, pb, 64), collab.FlaxLM(cb, pb, 64)
+    lm.feed([1, 5, 9, 20, 30, 40])
+    lm.rollback(4)
+    got = lm.feed([7, 8])
+    want = fresh.feed([1, 5, 9, 20, 7, 8])[-2:]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
