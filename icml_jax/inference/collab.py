@@ -256,20 +256,31 @@ class FlaxLM:
 
         from icml_jax.inference.decode import init_cache
         from icml_jax.models.decoder import build_model
-        self.model = build_model(model_cfg, decode=True)
+        model = build_model(model_cfg, decode=True)
         self.params = params
         self.max_len = int(max_len or model_cfg.max_seq_len)
-        self.cache = init_cache(self.model, 1, self.max_len)
+        self._empty = init_cache(model, 1, self.max_len)
+
+        def step(params, cache, toks, pos):
+            logits, mut = model.apply({"params": params, "cache": cache}, toks, pos,
+                                      jnp.ones_like(toks), mutable=["cache"])
+            return logits[0].astype(jnp.float32), mut["cache"]
+        self._step = jax.jit(step)
+        self._jnp = jnp
+        self._reset()
+
+    def _reset(self):
+        self.cache = self._empty
         self.tokens: list[int] = []
         self.calls = 0
         self.tokens_fed = 0
 
-        def step(params, cache, toks, pos):
-            logits, mut = self.model.apply({"params": params, "cache": cache}, toks, pos,
-                                           jnp.ones_like(toks), mutable=["cache"])
-            return logits[0].astype(jnp.float32), mut["cache"]
-        self._step = jax.jit(step)
-        self._jnp = jnp
+    def fork(self) -> "FlaxLM":
+        """A fresh, empty copy sharing the weights and the compiled step (no recompilation)."""
+        other = object.__new__(FlaxLM)
+        other.__dict__.update(self.__dict__)
+        other._reset()
+        return other
 
     @property
     def length(self) -> int:
@@ -289,14 +300,26 @@ class FlaxLM:
         return np.asarray(logits)
 
     def rollback(self, length: int) -> None:
-        import jax
         del self.tokens[length:]
-        self.cache = _set_cache_index(self.cache, length, jax)
+        self.cache = _set_cache_index(self.cache, self._jnp.int32(length))
 
 
-def _set_cache_index(cache, length: int, jax):
+def _set_cache_index_impl(cache, length):
     """The cache with every ``index`` leaf (the KV write pointer) set to ``length``."""
+    import jax
+
     def fix(path, x):
         key = getattr(path[-1], "key", None)
         return jax.numpy.full_like(x, length) if key == "index" else x
     return jax.tree_util.tree_map_with_path(fix, cache)
+
+
+def _set_cache_index(cache, length):
+    import jax
+    global _SET_INDEX
+    if _SET_INDEX is None:
+        _SET_INDEX = jax.jit(_set_cache_index_impl)
+    return _SET_INDEX(cache, length)
+
+
+_SET_INDEX = None
