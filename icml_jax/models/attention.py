@@ -111,7 +111,7 @@ class KVCache(nn.Module):
 
 def kv_policy_of(model_cfg):
     """The ``config.model.kv_policy`` as a ``KVPolicy``, or None for today's full cache."""
-    from icml_jax.inference.kv_policies import KVPolicy
+    from icml_jax.models.kv_policies import KVPolicy
     pc = model_cfg.get("kv_policy", None)
     if pc is None or pc.get("name", "full") == "full":
         return None
@@ -129,7 +129,7 @@ class PolicyKVCache(nn.Module):
 
     @nn.compact
     def __call__(self, q_BTGRK, k_BTGK, v_BTGK, positions_BT, segment_ids_BT, bias_fn):
-        from icml_jax.inference import kv_policies as kp
+        from icml_jax.models import kv_policies as kp
         pol = self.policy
         B, T, G, R, K = q_BTGRK.shape
         ready = self.has_variable("cache", "k")
@@ -183,7 +183,7 @@ class PolicyKVCache(nn.Module):
     def _fill(self, ck, cv, spos, sscore, swin, k_BSGK, v_BSGK, pos_BS, seg_BS, zsum_BGTS, psum_BGTS, N, W):
         """Keeps the policy's prompt slots: k/v, positions, h2o's accumulated scores and MorphKV's
         window (the last W prompt queries' logit rows at the kept columns)."""
-        from icml_jax.inference import kv_policies as kp
+        from icml_jax.models import kv_policies as kp
         B, S, G, K = k_BSGK.shape
         valid = jnp.broadcast_to((seg_BS > 0)[:, None], (B, G, S))
         pos = jnp.broadcast_to(pos_BS[:, None], (B, G, S))
