@@ -28,6 +28,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Protocol, Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -251,9 +253,6 @@ class FlaxLM:
     (the slots past it are never attended and are overwritten by the next feed)."""
 
     def __init__(self, model_cfg, params, max_len: int | None = None):
-        import jax
-        import jax.numpy as jnp
-
         from icml_jax.inference.decode import init_cache
         from icml_jax.models.decoder import build_model
         model = build_model(model_cfg, decode=True)
@@ -266,7 +265,6 @@ class FlaxLM:
                                       jnp.ones_like(toks), mutable=["cache"])
             return logits[0].astype(jnp.float32), mut["cache"]
         self._step = jax.jit(step)
-        self._jnp = jnp
         self._reset()
 
     def _reset(self):
@@ -287,12 +285,11 @@ class FlaxLM:
         return len(self.tokens)
 
     def feed(self, tokens):
-        jnp = self._jnp
         n = len(tokens)
         if self.length + n > self.max_len:
             raise ValueError(f"FlaxLM: {self.length + n} tokens exceed its cache of {self.max_len}")
-        toks = jnp.asarray([list(tokens)], jnp.int32)
-        pos = jnp.arange(self.length, self.length + n, dtype=jnp.int32)[None]
+        toks = np.asarray([list(tokens)], np.int32)  # host arrays: one transfer with the call
+        pos = np.arange(self.length, self.length + n, dtype=np.int32)[None]
         logits, self.cache = self._step(self.params, self.cache, toks, pos)
         self.calls += 1
         self.tokens_fed += n
@@ -301,25 +298,11 @@ class FlaxLM:
 
     def rollback(self, length: int) -> None:
         del self.tokens[length:]
-        self.cache = _set_cache_index(self.cache, self._jnp.int32(length))
+        self.cache = _set_cache_index(self.cache, np.int32(length))
 
 
-def _set_cache_index_impl(cache, length):
-    """The cache with every ``index`` leaf (the KV write pointer) set to ``length``."""
-    import jax
-
-    def fix(path, x):
-        key = getattr(path[-1], "key", None)
-        return jax.numpy.full_like(x, length) if key == "index" else x
-    return jax.tree_util.tree_map_with_path(fix, cache)
-
-
+@jax.jit
 def _set_cache_index(cache, length):
-    import jax
-    global _SET_INDEX
-    if _SET_INDEX is None:
-        _SET_INDEX = jax.jit(_set_cache_index_impl)
-    return _SET_INDEX(cache, length)
-
-
-_SET_INDEX = None
+    """The cache with every ``index`` leaf (the KV write pointer) set to ``length``."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: jnp.full_like(x, length) if getattr(path[-1], "key", None) == "index" else x, cache)

@@ -37,14 +37,15 @@ def attention_mask(q_seg_BT, k_seg_BS, q_idx_BT, k_idx_BS, q_pos_BT=None, k_pos_
     return mask
 
 
+def _logits(q_BTGRK, k_BSGK, bias=None):
+    """q k^T / sqrt(K) + bias in float32 (unmasked): [B, G, R, T, S]."""
+    logits = upcast(jnp.einsum("BTGRK,BSGK->BGRTS", q_BTGRK, k_BSGK)) * (q_BTGRK.shape[-1] ** -0.5)
+    return logits if bias is None else logits + bias
+
+
 def _softmax_attend(q_BTGRK, k_BSGK, v_BSGK, mask_BTS, bias=None):
     """softmax(q k^T / sqrt(K) + bias, masked) v with float32 logits: [B, T, G, R, K]."""
-    K = q_BTGRK.shape[-1]
-    logits = upcast(jnp.einsum("BTGRK,BSGK->BGRTS", q_BTGRK, k_BSGK))
-    logits = logits * (K ** -0.5)
-    if bias is not None:
-        logits = logits + bias
-    logits = jnp.where(mask_BTS[:, None, None], logits, NEG_INF)
+    logits = jnp.where(mask_BTS[:, None, None], _logits(q_BTGRK, k_BSGK, bias), NEG_INF)
     probs = jax.nn.softmax(logits, axis=-1).astype(v_BSGK.dtype)
     return jnp.einsum("BGRTS,BSGK->BTGRK", probs, v_BSGK)
 
@@ -142,19 +143,14 @@ class PolicyKVCache(nn.Module):
         sscore = self.variable("cache", "slot_score", lambda: init.score)
         swin = self.variable("cache", "slot_window", lambda: init.window)
         N = ck.value.shape[2]
-        scale = K ** -0.5
         if not ready or T > 1:  # init or prefill: attend within the input, then keep the policy's slots
             idx = jnp.broadcast_to(jnp.arange(T), (B, T))
             mask = attention_mask(segment_ids_BT, segment_ids_BT, idx, idx, positions_BT, positions_BT,
                                   self.window_mask)
-            z = upcast(jnp.einsum("BTGRK,BSGK->BGRTS", q_BTGRK, k_BTGK)) * scale
-            bias = bias_fn(positions_BT, positions_BT)
-            if bias is not None:
-                z = z + bias
-            z = jnp.where(mask[:, None, None], z, NEG_INF)
-            probs = jax.nn.softmax(z, axis=-1)
+            z = _logits(q_BTGRK, k_BTGK, bias_fn(positions_BT, positions_BT))
+            probs = jax.nn.softmax(jnp.where(mask[:, None, None], z, NEG_INF), axis=-1)
             o = jnp.einsum("BGRTS,BSGK->BTGRK", probs.astype(v_BTGK.dtype), v_BTGK)
-            if ready:
+            if ready:  # the policy's inputs: group-summed raw logits (-inf = unseen) and probabilities
                 self._fill(ck, cv, spos, sscore, swin, k_BTGK, v_BTGK, positions_BT, segment_ids_BT,
                            jnp.where(mask[:, None, None], z, -jnp.inf).sum(2), probs.sum(2), N, W)
             return o
@@ -165,9 +161,8 @@ class PolicyKVCache(nn.Module):
         hit = (jnp.arange(N) == slot[..., None])[..., None]  # [B, G, N, 1]
         ck.value = jnp.where(hit, jnp.swapaxes(k_BTGK, 1, 2).astype(ck.value.dtype), ck.value)
         cv.value = jnp.where(hit, jnp.swapaxes(v_BTGK, 1, 2).astype(cv.value.dtype), cv.value)
-        z = upcast(jnp.einsum("BGRK,BGNK->BGRN", q_BTGRK[:, 0], ck.value)) * scale
-        bias = bias_fn(positions_BT, jnp.clip(state.pos[:, 0], 0))
-        if bias is not None:  # per-head slot positions: the bias of head g from its own positions
+        z = upcast(jnp.einsum("BGRK,BGNK->BGRN", q_BTGRK[:, 0], ck.value)) * K ** -0.5
+        if bias_fn(positions_BT, positions_BT) is not None:  # per-head slot positions: head g's bias from its own
             per = jax.vmap(lambda p: bias_fn(positions_BT, p), in_axes=1, out_axes=0)(jnp.clip(state.pos, 0))
             z = z + jnp.stack([per[g][:, g] for g in range(G)], axis=1)[:, :, :, 0]
         valid = state.pos >= 0

@@ -68,10 +68,6 @@ class KVPolicy:
         if self.pool < 1 or self.pool % 2 == 0:
             raise ValueError(f"snapkv pool={self.pool} must be a positive odd kernel size")
 
-    @property
-    def evicts_in_decode(self) -> bool:
-        return self.name in ("streaming", "h2o", "morphkv")
-
 
 class SlotState(NamedTuple):
     """Per (row, KV head) bookkeeping of N slots; leading dims [...] are the caller's (e.g. [B, G])."""
@@ -87,16 +83,21 @@ def init_state(policy: KVPolicy, lead_shape: tuple, slots: int) -> SlotState:
                      window=jnp.full(lead_shape + (W, slots), NEG_INF, jnp.float32))
 
 
-def morph_scores(policy: KVPolicy, state: SlotState, t) -> jax.Array:
-    """MorphKV's fused score of every slot older than the window ([..., N]; -inf for the others)."""
-    old = (state.pos >= 0) & (state.pos < t - policy.window)
-    z = jnp.where(old[..., None, :], state.window, NEG_INF)  # [..., W, N]
+def _fused_old_softmax(fuse: str, rows, old):
+    """MorphKV's score: each logit row [..., W, N] as a softmax over the ``old`` columns [..., N]
+    only (a row with no old column gives zeros, not NaN), fused over the rows by sum or max."""
+    z = jnp.where(old[..., None, :], rows, NEG_INF)
     m = jnp.max(z, axis=-1, keepdims=True)
     e = jnp.where(old[..., None, :], jnp.exp(z - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
     tot = e.sum(-1, keepdims=True)
-    a = jnp.where(tot > 0, e / jnp.where(tot > 0, tot, 1.0), 0.0)  # a row with no old slot: zeros
-    s = a.sum(-2) if policy.fuse == "sum" else a.max(-2)
-    return jnp.where(old, s, NEG_INF)
+    a = jnp.where(tot > 0, e / jnp.where(tot > 0, tot, 1.0), 0.0)
+    return a.sum(-2) if fuse == "sum" else a.max(-2)
+
+
+def morph_scores(policy: KVPolicy, state: SlotState, t) -> jax.Array:
+    """MorphKV's fused score of every slot older than the window ([..., N]; -inf for the others)."""
+    old = (state.pos >= 0) & (state.pos < t - policy.window)
+    return jnp.where(old, _fused_old_softmax(policy.fuse, state.window, old), NEG_INF)
 
 
 def choose_slot(policy: KVPolicy, state: SlotState, t) -> jax.Array:
@@ -172,14 +173,7 @@ def prefill_scores(policy: KVPolicy, slots: int, pos_P, valid_P, logits_PP=None,
     else:  # morphkv: the W queries before the last token score the positions older than them
         W = policy.window
         rows = logits_PP[..., P - 1 - W:P - 1, :]  # [..., W, P]
-        old = valid_P & ~last_w
-        z = jnp.where(old[..., None, :], rows, NEG_INF)
-        m = jnp.max(z, axis=-1, keepdims=True)
-        e = jnp.where(old[..., None, :], jnp.exp(z - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
-        tot = e.sum(-1, keepdims=True)
-        a = jnp.where(tot > 0, e / jnp.where(tot > 0, tot, 1.0), 0.0)
-        s = a.sum(-2) if policy.fuse == "sum" else a.max(-2)
-        score = jnp.where(last_w, jnp.inf, s)
+        score = jnp.where(last_w, jnp.inf, _fused_old_softmax(policy.fuse, rows, valid_P & ~last_w))
     score = jnp.where(n <= slots, jnp.inf, score)  # everything fits: keep every real token
     return jnp.where(valid_P, score, NEG_INF)
 

@@ -199,29 +199,37 @@ def predictor_data(model: nn.Module, params, thresholds: Sequence[float], batche
     layer (x_ND, keep_NF) over the valid tokens of ``batches`` (one dense pass each), x the MLP's
     input and keep the CETT rule at that layer's threshold (|a_j| >= t / ||W_down[j]||, or > with
     ``config.model.mlp.sparse_compare="le"``); also the ``MLPSites``."""
-    params, batches = _unbox(params), list(batches)
+    params = _unbox(params)
     le = model.cfg.mlp.get("sparse_compare", "lt") == "le"
-    xs, acts, sites = [], None, None
-    for b in batches:
+    scanned = bool(model.cfg.scan_layers)
+    xs, acts, paths, w_down = [], [], None, None
+    for b in batches:  # one dense pass per batch gives both the inputs and the activations
         inter = _dense_sown(model, ("mlp_in", "mlp_acts"), params, b["inputs"], b["positions"],
                             b["segment_ids"])
-        valid, scanned = _valid(b), bool(model.cfg.scan_layers)
-        per = []
-        for path in _find_sown(inter, "mlp_acts"):
-            x = _subtree(inter, path + ("mlp",))["mlp_in"][0]
-            per += [np.asarray(v, np.float32).reshape(-1, v.shape[-1])[valid] for v in _per_layer(x, scanned)]
-        xs.append(per)
+        valid = _valid(b)
+        flat = lambda v: [np.asarray(u, np.float32).reshape(-1, u.shape[-1])[valid]  # noqa: E731
+                          for u in _per_layer(v, scanned)]
+        found = _find_sown(inter, "mlp_acts")
+        xs.append([x for p in found for x in flat(_subtree(inter, p + ("mlp",))["mlp_in"][0])])
+        acts.append([a for p in found for a in flat(_subtree(inter, p)["mlp_acts"][0])])
+        if paths is None:
+            F = acts[-1][0].shape[-1]
+            paths, w_down = [], []
+            for p in found:
+                mpath, w = _find_w_down(params, p, F)
+                paths.append(mpath)
+                w_down += [np.asarray(wl, np.float32) for wl in _per_layer(w, scanned)]
     if not xs:
         raise ValueError("no batches given")
-    acts, sites = collect_mlp_batches(model, params, batches)
-    if len(thresholds) != len(acts):
-        raise ValueError(f"got {len(thresholds)} thresholds for {len(acts)} MLP layers")
+    if len(thresholds) != len(w_down):
+        raise ValueError(f"got {len(thresholds)} thresholds for {len(w_down)} MLP layers")
     out = []
-    for l, ((a_NF, w_FD), t) in enumerate(zip(acts, thresholds)):
+    for l, (w_FD, t) in enumerate(zip(w_down, thresholds)):
+        a_NF = np.concatenate([a[l] for a in acts])
         bound = float(t) / np.linalg.norm(w_FD, axis=1)
         keep = np.abs(a_NF) > bound if le else np.abs(a_NF) >= bound
         out.append((np.concatenate([x[l] for x in xs]), keep))
-    return out, sites
+    return out, MLPSites(paths, scanned, len(w_down))
 
 
 def predictor_tree(sites: MLPSites, predictors: Sequence[dict], base: dict | None = None) -> dict:
