@@ -57,6 +57,7 @@ test: $(FULL_STAMP)
 bench: $(FULL_STAMP)
 	$(PY) -m benchmarks.train_throughput
 	$(PY) -m benchmarks.decode_speed
+	$(PY) -m benchmarks.cos_speed
 	$(PY) -m benchmarks.position_cost
 	$(PY) -m benchmarks.rmt_cost
 	$(PY) -m benchmarks.sparse_ffn

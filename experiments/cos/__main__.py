@@ -90,10 +90,10 @@ def decode_all(exp, models, toks, costs):
                         st = {}
                         t0 = time.perf_counter()
                         if method == "standard":
-                            out = collab.collaborative_decode(a, b, prompt, exp.new_tokens, comb, temperature=temp,
+                            out = collab.collaborative_decode([a, b], prompt, exp.new_tokens, comb, temperature=temp,
                                                               seed=seed)
                         else:
-                            out = collab.speculative_decode(a, b, prompt, exp.new_tokens, comb, gamma=exp.gamma,
+                            out = collab.speculative_decode([a, b], prompt, exp.new_tokens, comb, gamma=exp.gamma,
                                                             temperature=temp, alternate=method == "cos",
                                                             seed=seed, stats=st)
                         wall = time.perf_counter() - t0

@@ -1,20 +1,22 @@
-"""Collaborative decoding of two models and its speculative acceleration (CoS, Fu et al., ICML 2025).
+"""Collaborative decoding of n models and its speculative acceleration (CoS, Fu et al., ICML 2025).
 
-Collaborative decoding samples every token from a combined distribution r = f(p_a, p_b) of two
+Collaborative decoding samples every token from a combined distribution r = f(p_1, ..., p_n) of
 models that share a tokenizer (``COMBINERS``: ``we`` weighted ensemble of the tempered
-probabilities, ``cd`` contrastive decoding on raw logits, ``target`` = model b alone, i.e. plain
-speculative decoding). Three drivers, all batch 1, give the same output distribution:
+probabilities, ``cd`` contrastive decoding of two models on raw logits, ``target`` = the last
+model alone, i.e. plain speculative decoding). Three drivers, all batch 1, give the same output
+distribution (models listed small first: ``[a, b]`` or ``[a, b, c]``):
 
-  ``collaborative_decode``  both models score every token (the reference, 2 calls per token);
+  ``collaborative_decode``  every model scores every token (the reference, n calls per token);
   ``speculative_decode(..., alternate=False)``  Naive-CoS: model a drafts ``gamma`` tokens from
-      its own distribution, model b scores them all in one call, draft j is accepted with
+      its own distribution, every other model scores them in one call, draft j is accepted with
       probability min(1, r_j(x_j) / q_j(x_j)) and the first rejection is replaced by a sample of
-      normalise(max(0, r - q)); when every draft is accepted a bonus token is drawn from r
+      normalise(max(0, r - q)); when every draft is accepted the next token is drawn from r
       (for which a feeds its last draft);
-  ``speculative_decode(..., alternate=True)``  CoS: when every draft is accepted the bonus is drawn
-      from the verifier's own distribution p_b and becomes a draft that model a checks against r
-      (ratio r / p_b) in its next call, together with its next drafting step: the roles alternate
-      and no call is spent only on the bonus.
+  ``speculative_decode(..., alternate=True)``  CoS: the models take turns; each turn's call scores
+      the others' drafts and yields the caller's own distribution after them, from which it draws a
+      bonus token that becomes a draft (ratio r / p_caller) for the next models to check, together
+      with their own drafting: the roles alternate and no call is spent only on the bonus. A token
+      is final once every model has scored it.
 At temperature 0 every rule becomes: accept iff the draft is argmax r, replace by argmax r, so the
 output equals argmax-r decoding token for token.
 
@@ -54,27 +56,48 @@ def _softmax(z):
 
 @dataclasses.dataclass(frozen=True)
 class Combiner:
-    """r = f(a, b) from the two models' raw logits at one position, at temperature ``temperature``
-    (> 0; temperature 0 is handled by the drivers as argmax of the T = 1 combination)."""
+    """r = f(l_1, ..., l_n) from the models' raw logits at one position, at temperature
+    ``temperature`` (> 0; temperature 0 is handled by the drivers as argmax of the T = 1 combination).
+    Models are in the drivers' order: the first is the main proposer ("a"), the last the target."""
     name: str = "we"
-    weight_a: float = 0.5  # we: r = weight_a * p_a + (1 - weight_a) * p_b
-    alpha: float = 0.1  # cd: r = softmax((l_b - alpha * l_a) / T), a the amateur
+    weight_a: float = 0.5  # we, two models: r = weight_a * p_a + (1 - weight_a) * p_b
+    alpha: float = 0.1  # cd (two models): r = softmax((l_b - alpha * l_a) / T), a the amateur
+    weights: tuple = ()  # we, n models: r = sum_i weights[i] * p_i (sums to 1; () = see weight_a / uniform)
 
     def __post_init__(self):
         if self.name not in COMBINERS:
             raise ValueError(f"combiner {self.name!r}; choose one of {sorted(COMBINERS)}")
         if not 0 <= self.weight_a <= 1:
             raise ValueError(f"weight_a={self.weight_a} must lie in [0, 1]")
+        if self.weights and (min(self.weights) < 0 or abs(sum(self.weights) - 1) > 1e-6):
+            raise ValueError(f"weights={self.weights} must be non-negative and sum to 1")
 
-    def __call__(self, logits_a, logits_b, temperature: float = 1.0) -> np.ndarray:
-        return COMBINERS[self.name](self, np.asarray(logits_a, np.float64), np.asarray(logits_b, np.float64),
-                                    max(temperature, 1e-6) if temperature > 0 else 1.0)
+    def mixture(self, n: int) -> np.ndarray:
+        """``we``'s weight of each of n models."""
+        if self.weights:
+            if len(self.weights) != n:
+                raise ValueError(f"combiner weights={self.weights} name {len(self.weights)} models; got {n}")
+            return np.asarray(self.weights, np.float64)
+        return np.asarray([self.weight_a, 1 - self.weight_a] if n == 2 else [1 / n] * n, np.float64)
+
+    def __call__(self, *logits, temperature: float = 1.0) -> np.ndarray:
+        """``combiner(l_a, l_b[, l_c, ...], temperature=T)`` -> r [V] (float64, sums to 1)."""
+        if len(logits) < 2:
+            raise ValueError(f"a combination needs at least two models' logits, got {len(logits)}")
+        t = max(temperature, 1e-6) if temperature > 0 else 1.0
+        return COMBINERS[self.name](self, [np.asarray(z, np.float64) for z in logits], t)
+
+
+def _contrast(c, ls, t):
+    if len(ls) != 2:
+        raise ValueError(f"combiner 'cd' contrasts two models (amateur first, expert last); got {len(ls)}")
+    return _softmax((ls[1] - c.alpha * ls[0]) / t)
 
 
 COMBINERS: dict[str, Callable] = {
-    "we": lambda c, la, lb, t: c.weight_a * _softmax(la / t) + (1 - c.weight_a) * _softmax(lb / t),
-    "cd": lambda c, la, lb, t: _softmax((lb - c.alpha * la) / t),
-    "target": lambda c, la, lb, t: _softmax(lb / t),
+    "we": lambda c, ls, t: sum(w * _softmax(z / t) for w, z in zip(c.mixture(len(ls)), ls)),
+    "cd": _contrast,
+    "target": lambda c, ls, t: _softmax(ls[-1] / t),
 }
 
 
@@ -97,128 +120,134 @@ def _residual(r, q):
 
 # ----------------------------------------------------------------------------- drivers
 
-def collaborative_decode(a: CachedLM, b: CachedLM, prompt: Sequence[int], max_new: int, combiner: Combiner,
+def collaborative_decode(models: Sequence[CachedLM], prompt: Sequence[int], max_new: int, combiner: Combiner,
                          *, temperature: float = 1.0, seed: int = 0) -> list[int]:
-    """The reference: every token from r, both models called once per token."""
+    """The reference: every token from r, each model called once per token."""
     rng = np.random.default_rng(seed)
-    la, lb = a.feed(prompt)[-1], b.feed(prompt)[-1]
+    logits = [m.feed(prompt)[-1] for m in models]
     out = []
     for _ in range(max_new):
-        r = combiner(la, lb, temperature if temperature > 0 else 1.0)
+        r = combiner(*logits, temperature=temperature)
         y = int(np.argmax(r)) if temperature == 0 else _draw(rng, r)
         out.append(y)
         if len(out) < max_new:
-            la, lb = a.feed([y])[-1], b.feed([y])[-1]
+            logits = [m.feed([y])[-1] for m in models]
     return out
 
 
-def speculative_decode(a: CachedLM, b: CachedLM, prompt: Sequence[int], max_new: int, combiner: Combiner,
-                       *, gamma: int = 5, temperature: float = 1.0, alternate: bool = True,
+def speculative_decode(models: Sequence[CachedLM], prompt: Sequence[int], max_new: int, combiner: Combiner,
+                       *, gamma: int | Sequence[int] = 5, temperature: float = 1.0, alternate: bool = True,
                        seed: int = 0, stats: dict | None = None) -> list[int]:
-    """Tokens of collaborative decoding with model a drafting ``gamma`` tokens per round and model b
-    verifying them in one call (see the module docstring); ``alternate`` = CoS's bonus rule.
-    ``stats`` (a dict) receives ``rounds``, ``accepted`` (drafts accepted) and ``drafted``."""
-    if gamma < 1:
-        raise ValueError(f"gamma={gamma} must be >= 1")
+    """Tokens of collaborative decoding of ``models`` sped up by speculation (module docstring).
+
+    Every position of the sequence is settled in order once every model has its logits there: a
+    pending draft x (drawn from its proposer's distribution q) is accepted with probability
+    min(1, r(x)/q(x)), else replaced by a draw from normalise(max(0, r - q)) and every model rolls
+    back to it; a position with all logits and no draft gets a token drawn from r itself.
+
+    ``alternate`` (CoS): models take turns in list order. On its turn model i is called once on
+    everything it has not seen (scoring the others' drafts, which may settle them), then drafts
+    ``gamma[i]`` tokens from its own distribution: the first from the logits of that call (its
+    bonus token, no extra call), each further one after feeding the previous. After a rejection
+    model 0 (the main drafter) takes the next turn. ``alternate=False`` (Naive-CoS, fixed roles):
+    model 0 drafts ``gamma[0]`` tokens each round and the others only verify; when every draft
+    passes, the next token is drawn from r (model 0 feeds its last draft for it).
+    ``gamma`` an int is model 0's draft length, every other model proposing only its bonus token
+    (per-model list otherwise). ``stats`` (a dict) receives ``rounds`` (model 0's drafting turns),
+    ``accepted`` (drafts accepted) and ``drafted`` (drafts verified)."""
+    n = len(models)
+    if n < 2:
+        raise ValueError(f"speculative_decode needs at least two models, got {n}")
+    gammas = [int(gamma)] + [1] * (n - 1) if np.isscalar(gamma) else [int(g) for g in gamma]
+    if len(gammas) != n or min(gammas) < 1:
+        raise ValueError(f"gamma={gamma}: one draft length >= 1 per model ({n} models)")
     greedy = temperature == 0
     t = temperature if not greedy else 1.0
     rng = np.random.default_rng(seed)
-    dist = (lambda logits: _softmax(np.asarray(logits, np.float64) / t))  # noqa: E731
     st = stats if stats is not None else {}
     st.update(rounds=0, accepted=0, drafted=0)
+    P = len(prompt)
+    seq = list(prompt)  # prompt + settled tokens + pending drafts
+    qs: dict[int, np.ndarray] = {}  # position -> proposal distribution of the draft there
+    lg: list[dict[int, np.ndarray]] = [{} for _ in models]  # model -> {position: its logits there}
 
-    la_next = a.feed(prompt)[-1]  # a's logits for the next position (after everything it consumed)
-    lb_next = b.feed(prompt)[-1]
-    out: list[int] = []
-    unfed_a: list[int] = []  # final tokens a has not consumed yet
-    unfed_b: list[int] = []
-    carried = None  # CoS: (token, proposal dist, b's logits there) drafted by b, to be checked by a
+    def call(i):
+        """Model i consumes every token it has not seen; its logits at each position after."""
+        m = models[i]
+        start = m.length
+        rows = m.feed(seq[start:])
+        for k, row in enumerate(rows):
+            lg[i][start + 1 + k] = row
 
-    def emit(tok):
-        out.append(tok)
-        return len(out) >= max_new
-
-    while len(out) < max_new:
-        st["rounds"] += 1
-        if carried is not None:  # a checks b's bonus token against r in the call that feeds it
-            y, q_y, lb_y = carried
-            carried = None
-            la = a.feed(unfed_a + [y])
-            unfed_a = []
-            r = combiner(la[-2], lb_y, t)  # a's logits at y's position, b's from its last call
-            ok = _accept(rng, r, q_y, y, greedy)
-            st["drafted"] += 1
-            if ok:
-                st["accepted"] += 1
-                if emit(y):
-                    break
-                la_next, unfed_b = la[-1], [y]
-            else:
-                a.rollback(a.length - 1)
-                z = int(np.argmax(r)) if greedy else _draw(rng, _residual(r, q_y))
-                if emit(z):
-                    break
-                unfed_a, unfed_b = [z], [z]
+    def settle() -> bool:
+        """Settles positions in order while every model has logits there; True on a rejection."""
+        while len(st_out) < max_new:
+            p = P + len(st_out)
+            if not all(p in d for d in lg):
+                return False
+            r = combiner(*[d[p] for d in lg], temperature=t)
+            if p == len(seq):  # no draft here: the token comes from r
+                y = int(np.argmax(r)) if greedy else _draw(rng, r)
+                seq.append(y)
+                st_out.append(y)
                 continue
-        if unfed_a:
-            la_next = a.feed(unfed_a)[-1]
-            unfed_a = []
-        # a drafts gamma tokens (its own distribution; greedy: its argmax)
-        base_a = a.length
-        drafts, qs, las = [], [], []
-        for j in range(gamma):
-            q = dist(la_next)
-            x = int(np.argmax(q)) if greedy else _draw(rng, q)
-            drafts.append(x)
-            qs.append(q)
-            las.append(la_next)
-            if j < gamma - 1:
-                la_next = a.feed([x])[-1]
-        # b scores its unfed tokens and the drafts in one call
-        base_b = b.length
-        lbs = b.feed(unfed_b + drafts)
-        lb_pos = [lb_next if not unfed_b else lbs[len(unfed_b) - 1]] + list(lbs[len(unfed_b):])
-        n = 0
-        stop = False
-        for j in range(gamma):
+            x, q = seq[p], qs.pop(p)
             st["drafted"] += 1
-            r = combiner(las[j], lb_pos[j], t)
-            x = drafts[j]
-            ok = _accept(rng, r, qs[j], x, greedy)
-            if not ok:
-                z = int(np.argmax(r)) if greedy else _draw(rng, _residual(r, qs[j]))
-                break
-            n += 1
-            st["accepted"] += 1
-            if emit(x):
-                stop = True
-                break
-        if stop:
-            break
-        if n < gamma:  # rejected at draft n: keep the accepted prefix, emit the replacement
-            a.rollback(base_a + n)
-            b.rollback(base_b + len(unfed_b) + n)
-            if emit(z):
-                break
-            unfed_a, unfed_b = [z], [z]
-            lb_next = None
+            if _accept(rng, r, q, x, greedy):
+                st["accepted"] += 1
+                st_out.append(x)
+                continue
+            z = int(np.argmax(r)) if greedy else _draw(rng, _residual(r, q))
+            del seq[p:]
+            seq.append(z)
+            st_out.append(z)
+            for k in [k for k in qs if k > p]:
+                del qs[k]
+            for i, m in enumerate(models):
+                if m.length > p:
+                    m.rollback(p)
+                for k in [k for k in lg[i] if k > p]:
+                    del lg[i][k]
+            return True
+        return False
+
+    def propose(i, g) -> bool:
+        """Model i drafts g tokens (feeding what it needs first); True if a rejection intervened."""
+        drafted = 0
+        while drafted < g and len(st_out) < max_new:
+            if len(seq) not in lg[i]:
+                call(i)
+            if settle():
+                return True
+            if len(st_out) >= max_new or len(seq) not in lg[i]:
+                continue  # tokens were drawn from r: feed them before drafting
+            x_dist = _softmax(np.asarray(lg[i][len(seq)], np.float64) / t)
+            x = int(np.argmax(x_dist)) if greedy else _draw(rng, x_dist)
+            qs[len(seq)] = x_dist
+            seq.append(x)
+            drafted += 1
+        return False
+
+    st_out: list[int] = []
+    for i in range(n):  # every model reads the prompt (the prefill call)
+        call(i)
+    turn = 0
+    while len(st_out) < max_new:
+        st["rounds"] += turn == 0 or not alternate
+        if alternate:
+            rejected = propose(turn, gammas[turn])
+            turn = 0 if rejected else (turn + 1) % n
             continue
-        # every draft accepted: b's logits after the last draft are lb_pos[gamma]
-        if alternate:  # CoS: the bonus comes from b's own distribution, a checks it next round
-            q_b = dist(lb_pos[gamma])
-            y = int(np.argmax(q_b)) if greedy else _draw(rng, q_b)
-            carried = (y, q_b, lb_pos[gamma])
-            unfed_a, unfed_b = [drafts[-1]], []
-            lb_next = None
-        else:  # Naive-CoS: a feeds its last draft so that r can be formed there
-            la_next = a.feed([drafts[-1]])[-1]
-            r = combiner(la_next, lb_pos[gamma], t)
-            y = int(np.argmax(r)) if greedy else _draw(rng, r)
-            if emit(y):
+        if propose(0, gammas[0]):
+            continue
+        for v in range(1, n):
+            if len(st_out) >= max_new:
                 break
-            unfed_a, unfed_b = [y], [y]
-            lb_next = None
-    return out[:max_new]
+            if len(seq) not in lg[v]:
+                call(v)
+            if settle():
+                break
+    return st_out[:max_new]
 
 
 # ----------------------------------------------------------------------------- models

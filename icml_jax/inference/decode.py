@@ -201,6 +201,7 @@ def _generate(model, params, sparsity, tokens_BP, positions_BP, segments_BP, key
 
 @functools.partial(jax.jit, static_argnames=("model", "prompt_len"))
 def _scored(model, params, tokens_BT, *, prompt_len: int):
+    """(log p(token_i | tokens_<i) [B, T - 1], the argmax token at each of those steps [B, T - 1])."""
     B, T = tokens_BT.shape
     P = prompt_len
     cache = init_cache(model, B, T)
@@ -210,6 +211,7 @@ def _scored(model, params, tokens_BT, *, prompt_len: int):
                                   seg_BT[:, :P], mutable=["cache"])
     lp_prompt = jnp.take_along_axis(jax.nn.log_softmax(logits_BPV[:, :-1].astype(jnp.float32), -1),
                                     tokens_BT[:, 1:P, None], -1)[..., 0]  # [B, P - 1]
+    top_prompt = jnp.argmax(logits_BPV[:, :-1], -1).astype(jnp.int32)
 
     def body(carry, i):
         cache, last_BV = carry
@@ -218,20 +220,21 @@ def _scored(model, params, tokens_BT, *, prompt_len: int):
         logits, mut = model.apply({"params": params, "cache": cache}, tok_B[:, None],
                                   jax.lax.dynamic_slice_in_dim(pos_BT, i, 1, axis=1),
                                   jnp.ones((B, 1), jnp.int32), last_only=True, mutable=["cache"])
-        return (mut["cache"], logits[:, -1].astype(jnp.float32)), lp_B
+        return (mut["cache"], logits[:, -1].astype(jnp.float32)), (lp_B, jnp.argmax(last_BV, -1).astype(jnp.int32))
 
-    _, lps = jax.lax.scan(body, (mut["cache"], logits_BPV[:, -1].astype(jnp.float32)),
-                          jnp.arange(P, T))
-    return jnp.concatenate([lp_prompt, lps.T], axis=1)
+    _, (lps, tops) = jax.lax.scan(body, (mut["cache"], logits_BPV[:, -1].astype(jnp.float32)),
+                                  jnp.arange(P, T))
+    return jnp.concatenate([lp_prompt, lps.T], axis=1), jnp.concatenate([top_prompt, tops.T], axis=1)
 
 
 def scored_decode(model_cfg: ml_collections.ConfigDict, params, tokens, *, prompt_len: int,
-                  kv_policy=None) -> np.ndarray:
+                  kv_policy=None, return_argmax: bool = False):
     """Teacher-forced scoring through the decode cache: the first ``prompt_len`` tokens of each
     row are one prefill, then every later token is fed one at a time through the cached step (with
     ``kv_policy``'s evictions, if any). Returns log p(token_i | tokens_<i) [B, T - 1] float32 for
     i = 1..T-1, the quantity a full forward gives when nothing is evicted. ``tokens`` [B, T] int,
-    all rows real tokens (no padding)."""
+    all rows real tokens (no padding). ``return_argmax``: also the model's most likely token at
+    each of those steps (int32 [B, T - 1]; accuracy = ``argmax == tokens[:, 1:]``)."""
     tokens = np.asarray(tokens, np.int32)
     if tokens.ndim != 2 or not 1 <= prompt_len < tokens.shape[1]:
         raise ValueError(f"scored_decode: tokens must be [B, T] with 1 <= prompt_len < T; got shape "
@@ -241,8 +244,9 @@ def scored_decode(model_cfg: ml_collections.ConfigDict, params, tokens, *, promp
                          f"{model_cfg.max_seq_len}")
     if kv_policy is not None:
         model_cfg = _with_kv_policy(model_cfg, kv_policy)
-    return np.asarray(_scored(build_model(model_cfg, decode=True), params, jnp.asarray(tokens),
-                              prompt_len=int(prompt_len)))
+    lps, tops = _scored(build_model(model_cfg, decode=True), params, jnp.asarray(tokens),
+                        prompt_len=int(prompt_len))
+    return (np.asarray(lps), np.asarray(tops)) if return_argmax else np.asarray(lps)
 
 
 # ----------------------------------------------------------------------------- host-side driver

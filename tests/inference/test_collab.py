@@ -21,10 +21,10 @@ def _tables(seed=0, V=V):
 @pytest.mark.parametrize("combiner", COMBINERS, ids=lambda c: c.name)
 def test_greedy_speculative_equals_greedy_collaborative(combiner):
     ta, tb = _tables(1, V=10)
-    ref = collab.collaborative_decode(collab.TableLM(ta), collab.TableLM(tb), [3], 40, combiner, temperature=0)
+    ref = collab.collaborative_decode([collab.TableLM(ta), collab.TableLM(tb)], [3], 40, combiner, temperature=0)
     for gamma, alternate in itertools.product((1, 3, 5), (False, True)):
         a, b = collab.TableLM(ta), collab.TableLM(tb)
-        got = collab.speculative_decode(a, b, [3], 40, combiner, gamma=gamma, temperature=0, alternate=alternate)
+        got = collab.speculative_decode([a, b], [3], 40, combiner, gamma=gamma, temperature=0, alternate=alternate)
         assert got == ref, (gamma, alternate)
 
 
@@ -62,7 +62,7 @@ def test_sampled_tokens_follow_r_and_a_wrong_rule_is_caught(combiner, monkeypatc
     runs = 4000
 
     def run(alternate):
-        return lambda s: collab.speculative_decode(collab.TableLM(ta), collab.TableLM(tb), [0], 3, combiner,
+        return lambda s: collab.speculative_decode([collab.TableLM(ta), collab.TableLM(tb)], [0], 3, combiner,
                                                    gamma=2, temperature=1.0, alternate=alternate, seed=s)
     for alternate in (True, False):
         assert _chi2_pvalue(run(alternate), exact, runs) > 1e-3, alternate
@@ -74,7 +74,7 @@ def test_edge_cases_and_counts():
     ta, tb = _tables(3)
     # r = q (all weight on the drafting model): every draft is accepted
     st = {}
-    collab.speculative_decode(collab.TableLM(ta), collab.TableLM(tb), [1], 30, collab.Combiner("we", weight_a=1.0),
+    collab.speculative_decode([collab.TableLM(ta), collab.TableLM(tb)], [1], 30, collab.Combiner("we", weight_a=1.0),
                               gamma=3, temperature=1.0, alternate=False, stats=st)
     assert st["accepted"] == st["drafted"] > 0
     # cd with alpha 0 is model b alone
@@ -82,7 +82,7 @@ def test_edge_cases_and_counts():
     np.testing.assert_allclose(r, collab.Combiner("target")(ta[0], tb[0]))
     # speculation calls the verifier less often than once per token
     a, b = collab.TableLM(ta), collab.TableLM(tb)
-    collab.speculative_decode(a, b, [1], 30, collab.Combiner("we", weight_a=0.8), gamma=4, temperature=0)
+    collab.speculative_decode([a, b], [1], 30, collab.Combiner("we", weight_a=0.8), gamma=4, temperature=0)
     assert b.calls < 30 / 2
     with pytest.raises(ValueError, match="combiner"):
         collab.Combiner("mix")
@@ -104,10 +104,10 @@ def test_flax_models_greedy_cos_equals_collaborative_and_rollback_is_exact():
     rollback the cache gives the logits of a cache that never saw the dropped tokens."""
     (ca, pa), (cb, pb) = _tiny(0, num_layers=1), _tiny(1, num_layers=2)
     comb = collab.Combiner("we", weight_a=0.5)
-    ref = collab.collaborative_decode(collab.FlaxLM(ca, pa, 64), collab.FlaxLM(cb, pb, 64), [1, 5, 9], 16, comb,
+    ref = collab.collaborative_decode([collab.FlaxLM(ca, pa, 64), collab.FlaxLM(cb, pb, 64)], [1, 5, 9], 16, comb,
                                       temperature=0)
     st = {}
-    got = collab.speculative_decode(collab.FlaxLM(ca, pa, 64), collab.FlaxLM(cb, pb, 64), [1, 5, 9], 16, comb,
+    got = collab.speculative_decode([collab.FlaxLM(ca, pa, 64), collab.FlaxLM(cb, pb, 64)], [1, 5, 9], 16, comb,
                                     gamma=3, temperature=0, stats=st)
     assert got == ref and st["rounds"] < 16
     lm, fresh = collab.FlaxLM(cb, pb, 64), collab.FlaxLM(cb, pb, 64)
@@ -116,3 +116,44 @@ def test_flax_models_greedy_cos_equals_collaborative_and_rollback_is_exact():
     got = lm.feed([7, 8])
     want = fresh.feed([1, 5, 9, 20, 7, 8])[-2:]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _three(seed=4, V=V):
+    rng = np.random.default_rng(seed)
+    return [rng.normal(size=(V, V)) * 1.5 for _ in range(3)]
+
+
+def test_three_models_greedy_equals_collaborative_and_samples_follow_r():
+    """n = 3 (weighted ensemble with explicit weights, and the last model alone): greedy CoS and
+    Naive-CoS equal greedy collaborative decoding for several per-model draft lengths; at T = 1 a
+    chi-square test cannot tell CoS from ancestral sampling of r; the big models are called less
+    than once per token."""
+    tabs = _three(V=10)
+    for comb in (collab.Combiner("we", weights=(0.5, 0.3, 0.2)), collab.Combiner("target")):
+        ref = collab.collaborative_decode([collab.TableLM(t) for t in tabs], [2], 40, comb, temperature=0)
+        for gamma, alternate in itertools.product((3, (4, 2, 1), (1, 1, 1)), (True, False)):
+            got = collab.speculative_decode([collab.TableLM(t) for t in tabs], [2], 40, comb, gamma=gamma,
+                                            temperature=0, alternate=alternate)
+            assert got == ref, (comb.name, gamma, alternate)
+    tabs = _three()
+    comb = collab.Combiner("we", weights=(0.5, 0.3, 0.2))
+    exact = {}
+    for seq in itertools.product(range(V), repeat=3):
+        p, prev = 1.0, 0
+        for y in seq:
+            p *= comb(*(t[prev] for t in tabs))[y]
+            prev = y
+        exact[seq] = p
+    run = lambda s: collab.speculative_decode([collab.TableLM(t) for t in tabs], [0], 3, comb,  # noqa: E731
+                                              gamma=(2, 1, 1), temperature=1.0, seed=s)
+    assert _chi2_pvalue(run, exact, 4000) > 1e-3
+    models = [collab.TableLM(t) for t in tabs]
+    collab.speculative_decode(models, [1], 30, collab.Combiner("we", weights=(0.8, 0.1, 0.1)), gamma=4,
+                              temperature=0)
+    assert models[1].calls < 30 / 2 and models[2].calls < 30 / 2
+    with pytest.raises(ValueError, match="two models"):
+        collab.Combiner("cd")(*tabs[0][:3])
+    with pytest.raises(ValueError, match="weights"):
+        collab.Combiner("we", weights=(0.5, 0.5))(*tabs[0][:3])
+    with pytest.raises(ValueError, match="gamma"):
+        collab.speculative_decode(models, [1], 3, comb, gamma=(2, 1))

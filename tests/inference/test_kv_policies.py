@@ -242,13 +242,16 @@ def test_scored_decode_equals_the_full_forward_and_a_sliding_window_model():
     cfg, params = _lm()
     toks = np.asarray(jax.random.randint(jax.random.key(7), (2, 24), 1, cfg.vocab_size))
 
-    def forward_lp(c):
+    def forward_lp(c, argmax=False):
         logits = build_model(c).apply({"params": params}, jnp.asarray(toks))
         lp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), -1)
-        return np.take_along_axis(np.asarray(lp), toks[:, 1:, None], -1)[..., 0]
+        got = np.take_along_axis(np.asarray(lp), toks[:, 1:, None], -1)[..., 0]
+        return (got, np.asarray(lp).argmax(-1)) if argmax else got
 
-    ref = forward_lp(cfg)
-    np.testing.assert_allclose(scored_decode(cfg, params, toks, prompt_len=5), ref, rtol=1e-5, atol=2e-5)
+    ref, ref_top = forward_lp(cfg, argmax=True)
+    lp, top = scored_decode(cfg, params, toks, prompt_len=5, return_argmax=True)
+    np.testing.assert_allclose(lp, ref, rtol=1e-5, atol=2e-5)
+    np.testing.assert_array_equal(top, ref_top)  # prompt and decoded steps alike
     np.testing.assert_allclose(scored_decode(cfg, params, toks, prompt_len=5,
                                              kv_policy=kp.KVPolicy("h2o", slots=24, window=4)),
                                ref, rtol=1e-5, atol=2e-5)

@@ -1,0 +1,198 @@
+"""CoS speed: standard collaborative decoding vs fixed-role speculation vs CoS, tokens/s on this CPU.
+
+Run:
+  TFDS_DATA_DIR=/tmp/tfds python -m benchmarks.cos_speed [--new_tokens=64] [--prompts=4]
+      [--trained=DIR | --random] [--tiny]
+
+The two decoders of ``experiments/cos`` (proposer a: d 64 x 2 layers, 131k params; b: d 256 x 6
+layers, 4 query / 2 KV heads, 4.5M params), trained on the embedded Shakespeare corpus by that
+experiment's default preset in ``--trained`` (default ``experiments/cos/results``, where the
+experiment keeps them; trained there first when missing, about 4 minutes), each a ``collab.FlaxLM``
+(its jitted cached step, batch 1), continue Shakespeare prompts by ``--new_tokens`` tokens with the
+three drivers of ``icml_jax.inference.collab`` for the weighted ensemble (``we``, weight 0.7 on a)
+and contrastive decoding (``cd``, alpha 0.1), at T = 0 and at T = 1 (3 seeds). ``--random`` uses
+random weights of the same sizes instead (init std x 4): the drafts' acceptance is then only what
+the combination guarantees (``we`` at T = 1: at least 0.7; ``cd`` about 0), which isolates the
+drivers' own cost; ``--tiny`` (random tiny models, the test suite's check) as well.
+
+Every program is compiled and each setting run once before the timed pass (compile time excluded);
+tokens/s = tokens / wall seconds of the timed pass summed over prompts and seeds. The T = 0 rows
+also check that the three drivers give identical tokens. Target (issue 20): CoS >= 1.5x standard.
+Results: benchmarks/results/cos_speed.{json,md} (written atomically).
+"""
+import argparse
+import datetime
+import os
+import platform
+import sys
+import time
+
+import numpy as np
+
+from benchmarks.common import RESULTS_DIR, write_report
+from icml_jax import xla_env
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+METHODS = ("standard", "sd", "cos")
+SIZES = {
+    "default": dict(a=dict(d_model=64, num_layers=2, num_heads=2, num_kv_heads=2, head_dim=32, ffn_dim=192),
+                    b=dict(d_model=256, num_layers=6, num_heads=4, num_kv_heads=2, head_dim=64, ffn_dim=704)),
+    "tiny": dict(a=dict(d_model=32, num_layers=1, num_heads=2, num_kv_heads=2, head_dim=16, ffn_dim=64),
+                 b=dict(d_model=48, num_layers=2, num_heads=2, num_kv_heads=2, head_dim=24, ffn_dim=96)),
+}
+
+
+def random_models(sizes, max_len):
+    import jax
+    import jax.numpy as jnp
+
+    from icml_jax.config_utils import load_config
+    from icml_jax.models.decoder import build_model
+    out = {}
+    for i, which in enumerate(("a", "b")):
+        cfg = load_config("configs/lm.py:small", unlocked=True).model
+        cfg.update(dict(sizes[which], max_seq_len=max_len))
+        m = build_model(cfg)
+        params = jax.jit(lambda k: jax.tree.map(lambda x: x * 4.0, m.init(k, jnp.zeros((1, 8), jnp.int32))["params"]))(
+            jax.random.key(i))
+        out[which] = (cfg, params)
+    return out
+
+
+def trained_models(workdir):
+    """The experiment's trained pair in ``workdir`` (``experiments/cos`` default preset), trained
+    there first if it is not (about 4 minutes on this CPU; a finished run is reused)."""
+    from experiments.common import train_run
+    from experiments.cos.__main__ import PRESETS, model_config
+    from icml_jax.train.checkpoint import restore_model_params
+    out = {}
+    for which in ("a", "b"):
+        cfg = model_config(PRESETS["default"], which)
+        wd = os.path.join(workdir, f"model_{which}")
+        train_run(cfg, wd)
+        out[which] = (cfg.model, restore_model_params(wd, cfg.model)[0])
+    return out
+
+
+def run_all(factories, prompts, new_tokens, gamma, seeds):
+    from icml_jax.inference import collab
+    combiners = {"we": collab.Combiner("we", weight_a=0.7), "cd": collab.Combiner("cd", alpha=0.1)}
+    rows = []
+    for cname, comb in combiners.items():
+        for temp in (0.0, 1.0):
+            for method in METHODS:
+                wall, tokens, calls_b, acc, drafted, outs = 0.0, 0, 0, 0, 0, []
+                for prompt in prompts:
+                    for seed in (seeds if temp > 0 else (0,)):
+                        a, b = factories["a"](), factories["b"]()
+                        st = {}
+                        t0 = time.perf_counter()
+                        if method == "standard":
+                            out = collab.collaborative_decode([a, b], prompt, new_tokens, comb, temperature=temp,
+                                                              seed=seed)
+                        else:
+                            out = collab.speculative_decode([a, b], prompt, new_tokens, comb, gamma=gamma,
+                                                            temperature=temp, alternate=method == "cos", seed=seed,
+                                                            stats=st)
+                        wall += time.perf_counter() - t0
+                        tokens += len(out)
+                        calls_b += b.calls - 1
+                        acc += st.get("accepted", 0)
+                        drafted += st.get("drafted", 0)
+                        outs.append(out)
+                rows.append(dict(combiner=cname, temperature=temp, method=method, tokens=tokens, wall_s=wall,
+                                 tokens_per_s=tokens / wall, b_calls_per_token=calls_b / tokens,
+                                 acceptance=acc / drafted if drafted else None, outputs=outs))
+    for r in rows:  # T = 0: every driver must give standard's tokens
+        ref = next(s for s in rows if s["combiner"] == r["combiner"] and s["temperature"] == r["temperature"]
+                   and s["method"] == "standard")
+        r["speedup_vs_standard"] = r["tokens_per_s"] / ref["tokens_per_s"]
+        r["same_as_standard"] = r["outputs"] == ref["outputs"] if r["temperature"] == 0 else None
+    for r in rows:
+        del r["outputs"]
+    return rows
+
+
+def markdown(res):
+    lines = [
+        "# CoS speed: standard collaborative decoding vs fixed-role speculation vs CoS", "",
+        f"`python -m benchmarks.cos_speed` on {res['date']}: {res['cpus']} CPU cores ({res['machine']}), "
+        f"load average {tuple(round(x, 1) for x in res['loadavg'])}, weights: {res['weights']}.", "",
+        f"Proposer a {res['params']['a']:,} params, b {res['params']['b']:,} params (one-token call "
+        f"{res['call_ms']['a']:.2f} ms vs {res['call_ms']['b']:.2f} ms); {res['prompts']} prompts × "
+        f"{res['new_tokens']} new tokens, gamma = {res['gamma']}, T = 1 over seeds {res['seeds']}; timed pass after a "
+        "warm-up pass (compile excluded).", "",
+        "| combiner | T | method | tokens/s | vs standard | b calls / token | drafts accepted | same tokens as standard |",
+        "|---|---:|---|---:|---:|---:|---:|---|"]
+    for r in res["rows"]:
+        lines.append(f"| {r['combiner']} | {r['temperature']:g} | {r['method']} | {r['tokens_per_s']:.0f} | "
+                     f"{r['speedup_vs_standard']:.2f}× | {r['b_calls_per_token']:.2f} | "
+                     f"{'—' if r['acceptance'] is None else format(r['acceptance'], '.0%')} | "
+                     f"{'n/a (sampled)' if r['same_as_standard'] is None else r['same_as_standard']} |")
+    cos = [r["speedup_vs_standard"] for r in res["rows"] if r["method"] == "cos"]
+    lines += ["", f"CoS vs standard: {min(cos):.2f}× to {max(cos):.2f}× over the four settings "
+              f"(target ≥ 1.5×: {'met' if min(cos) >= 1.5 else 'not met'} in "
+              f"{sum(c >= 1.5 for c in cos)} of {len(cos)}). One run on this machine; quote ratios, not "
+              "absolute tokens/s.", ""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--new_tokens", type=int, default=64)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--trained", default=os.path.join(REPO_ROOT, "experiments", "cos", "results"),
+                    help="an experiments/cos workdir (model_a/, model_b/; trained there when missing)")
+    ap.add_argument("--random", action="store_true", help="random weights instead of the trained pair")
+    ap.add_argument("--tiny", action="store_true", help="tiny models, few tokens (the test suite's check)")
+    ap.add_argument("--out", default=RESULTS_DIR)
+    args = ap.parse_args(argv)
+    xla_env.use_defaults()
+    import jax
+    from icml_jax.inference import collab
+    seeds = (0,) if args.tiny else (0, 1, 2)
+    max_len = 64 + args.new_tokens + args.gamma + 8
+    trained = not (args.random or args.tiny)
+    models = trained_models(args.trained) if trained else random_models(
+        SIZES["tiny" if args.tiny else "default"], max_len)
+    factories = {w: collab.FlaxLM(cfg, p, max_len).fork for w, (cfg, p) in models.items()}
+    vocab = min(cfg.vocab_size for cfg, _ in models.values())
+    if trained:
+        from experiments.cos.__main__ import PROMPTS
+        from icml_jax.data.tokenizers import ByteTokenizer
+        tok = ByteTokenizer()
+        prompts = [[tok.bos_id] + tok.encode(t) for t in (PROMPTS * args.prompts)[:args.prompts]]
+    else:
+        rng = np.random.default_rng(0)
+        prompts = [[1] + rng.integers(3, min(vocab, 259), 15).tolist() for _ in range(args.prompts)]
+    call_ms = {}
+    for w in ("a", "b"):  # compile every call shape once (prefill, 1..gamma + 2 tokens)
+        lm = factories[w]()
+        for n in sorted({len(p) for p in prompts} | set(range(1, args.gamma + 3))):
+            lm.feed([5] * n)
+            lm.rollback(0)
+        lm.feed([5] * 16)
+        t = []
+        for i in range(20):
+            t0 = time.perf_counter()
+            lm.feed([6])
+            t.append(time.perf_counter() - t0)
+        call_ms[w] = 1e3 * float(np.median(t))
+    run_all(factories, prompts, args.new_tokens, args.gamma, seeds)  # warm-up pass
+    rows = run_all(factories, prompts, args.new_tokens, args.gamma, seeds)
+    res = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), machine=platform.machine(),
+               cpus=os.cpu_count(), python=sys.version.split()[0], jax=jax.__version__, loadavg=os.getloadavg(),
+               weights=f"trained by experiments/cos ({os.path.relpath(args.trained, REPO_ROOT)})" if trained
+               else "random (init std x 4)",
+               params={w: int(sum(x.size for x in jax.tree.leaves(p))) for w, (_, p) in models.items()},
+               call_ms=call_ms, prompts=args.prompts, new_tokens=args.new_tokens, gamma=args.gamma,
+               seeds=list(seeds), rows=rows)
+    write_report(args.out, "cos_speed", res, markdown(res))
+    print(markdown(res))
+    return res
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
