@@ -213,6 +213,22 @@ def train_run(cfg, workdir: str):
     return summary, rows, elapsed()
 
 
+def start(doc: str, presets: Mapping, argv=None):
+    """The usual experiment entry: parses ``--workdir`` (created) and ``--preset`` (one of
+    ``presets``, default "default"), applies our XLA defaults; returns (args, preset, stopwatch)."""
+    import argparse
+
+    from icml_jax import xla_env
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--workdir", required=True)
+    ap.add_argument("--preset", default="default", choices=sorted(presets))
+    args = ap.parse_args(argv)
+    xla_env.use_defaults()
+    elapsed = stopwatch()
+    os.makedirs(args.workdir, exist_ok=True)
+    return args, presets[args.preset], elapsed
+
+
 def save_figure(fig, path: str, dpi: int = 110) -> None:
     """Saves a matplotlib figure atomically (temp file + rename) and closes it."""
     import matplotlib.pyplot as plt

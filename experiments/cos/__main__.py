@@ -18,7 +18,6 @@ dev loss below a's (the two models differ) and, at T = 0, all three drivers give
 (they must: the distribution is identical by construction). Outputs: DIR/results.csv,
 DIR/results.md, DIR/cost.png, DIR/config.json.
 """
-import argparse
 import os
 import sys
 import time
@@ -26,9 +25,8 @@ import time
 import numpy as np
 
 from experiments.common import (git_commit, markdown_table, mean_spread, pm, preset, record,
-                                run_overrides, save_figure, stopwatch, train_run, write_atomic,
+                                run_overrides, save_figure, start, train_run, write_atomic,
                                 write_csv, write_json)
-from icml_jax import xla_env
 
 QUIET = {"train.samples": 0, "train.progress": False}
 PROMPTS = ("ROMEO.", "To be, or not to be", "KING HENRY.", "O, what a noble mind", "First Citizen.",
@@ -191,14 +189,7 @@ def plot(rows, path):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--workdir", required=True)
-    ap.add_argument("--preset", default="default", choices=sorted(PRESETS))
-    args = ap.parse_args(argv)
-    xla_env.use_defaults()
-    exp = PRESETS[args.preset]
-    elapsed = stopwatch()
-    os.makedirs(args.workdir, exist_ok=True)
+    args, exp, elapsed = start(__doc__, PRESETS, argv)
     from icml_jax.inference import collab
     from icml_jax.train.checkpoint import restore_model_params
     from icml_jax.train.workdir import read_workdir

@@ -1,0 +1,55 @@
+"""experiments/morphkv: the recall testbed's sequences are what they claim, and the tiny preset
+trains, evaluates every policy through the cached decode and writes the outputs."""
+import csv
+import json
+import os
+
+import numpy as np
+
+from experiments.morphkv.__main__ import CLOSE, KEYS, OPEN, PRESETS, QUERY, VALUES, main, make_sequence, policies
+
+POOL = "the quick brown fox jumps over the lazy dog.\n" * 400
+
+
+def test_sequences_answer_from_the_block():
+    rng = np.random.default_rng(0)
+    for repeat in (False, True):
+        text, blen, answers = make_sequence(rng, POOL, 300, 8, (5, 12), repeat=repeat)
+        assert len(text) == 300 and text[0] == OPEN and text[blen - 1] == CLOSE
+        table = {text[i]: text[i + 1] for i in range(1, blen - 1, 2)}
+        assert len(table) == 8 and set(table) <= set(KEYS) and set(table.values()) <= set(VALUES)
+        keys = []
+        for idx, key in answers:
+            assert text[idx - 2] == QUERY and text[idx - 1] == key and text[idx] == table[key]
+            keys.append(key)
+        filler = "".join(ch for i, ch in enumerate(text[blen:], blen)
+                         if not any(idx - 2 <= i <= idx for idx, _ in answers))
+        assert not set(filler) & set(KEYS + OPEN + CLOSE + QUERY)
+        if repeat:  # queries go on past the eighth, in fresh orders
+            assert len(keys) > 8 and set(keys) == set(table)
+        else:  # every key at most once: the answer is only in the block
+            assert len(keys) == len(set(keys)) == 8
+
+
+def test_morphkv_tiny_outputs(tmp_path, monkeypatch):
+    monkeypatch.setenv("TFDS_DATA_DIR", str(tmp_path / "tfds"))
+    wd = str(tmp_path / "exp")
+    main([f"--workdir={wd}", "--preset=tiny"])
+    exp = PRESETS["tiny"]
+    for name in ("results.csv", "results.md", "recall.png", "config.json"):
+        assert os.path.getsize(os.path.join(wd, name)) > 0, name
+    rows = list(csv.DictReader(open(os.path.join(wd, "results.csv"))))
+    assert len(rows) == len(policies(exp)) * len(exp.seeds)
+    for r in rows:
+        slots, peak = int(r["slots"]), int(r["peak_slots"])
+        assert peak == (exp.seq_len if r["policy"] in ("full", "snapkv") else slots)
+        assert 0 <= float(r["recall"]) <= 1 and int(r["answers"]) > 0 and float(r["tokens_per_s"]) > 0
+        if r["policy"] == "full":
+            assert float(r["nll_gap"]) == 0
+        if r["policy"] == "snapkv":  # the prompt fits its budget: nothing is ever evicted
+            assert abs(float(r["nll_gap"])) < 1e-4
+    assert any(abs(float(r["nll_gap"])) > 1e-4 for r in rows if r["policy"] == "streaming")
+    cfg = json.load(open(os.path.join(wd, "config.json")))
+    assert len(cfg["gates"]) == 1
+    md = open(os.path.join(wd, "results.md")).read()
+    assert "Gates:" in md and "| morphkv-max |" in md and "window ablation" in md
