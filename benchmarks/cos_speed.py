@@ -21,6 +21,7 @@ also check that the three drivers give identical tokens. Target (issue 20): CoS 
 Results: benchmarks/results/cos_speed.{json,md} (written atomically).
 """
 import argparse
+import copy
 import datetime
 import os
 import platform
@@ -30,11 +31,11 @@ import time
 import numpy as np
 
 from benchmarks.common import RESULTS_DIR, write_report
+from experiments.cos.__main__ import METHODS, PRESETS, PROMPTS, call_cost, decode_all, warm_up
 from icml_jax import xla_env
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-METHODS = ("standard", "sd", "cos")
 SIZES = {
     "default": dict(a=dict(d_model=64, num_layers=2, num_heads=2, num_kv_heads=2, head_dim=32, ffn_dim=192),
                     b=dict(d_model=256, num_layers=6, num_heads=4, num_kv_heads=2, head_dim=64, ffn_dim=704)),
@@ -64,7 +65,7 @@ def trained_models(workdir):
     """The experiment's trained pair in ``workdir`` (``experiments/cos`` default preset), trained
     there first if it is not (about 4 minutes on this CPU; a finished run is reused)."""
     from experiments.common import train_run
-    from experiments.cos.__main__ import PRESETS, model_config
+    from experiments.cos.__main__ import model_config
     from icml_jax.train.checkpoint import restore_model_params
     out = {}
     for which in ("a", "b"):
@@ -75,43 +76,25 @@ def trained_models(workdir):
     return out
 
 
-def run_all(factories, prompts, new_tokens, gamma, seeds):
-    from icml_jax.inference import collab
-    combiners = {"we": collab.Combiner("we", weight_a=0.7), "cd": collab.Combiner("cd", alpha=0.1)}
-    rows = []
-    for cname, comb in combiners.items():
-        for temp in (0.0, 1.0):
-            for method in METHODS:
-                wall, tokens, calls_b, acc, drafted, outs = 0.0, 0, 0, 0, 0, []
-                for prompt in prompts:
-                    for seed in (seeds if temp > 0 else (0,)):
-                        a, b = factories["a"](), factories["b"]()
-                        st = {}
-                        t0 = time.perf_counter()
-                        if method == "standard":
-                            out = collab.collaborative_decode([a, b], prompt, new_tokens, comb, temperature=temp,
-                                                              seed=seed)
-                        else:
-                            out = collab.speculative_decode([a, b], prompt, new_tokens, comb, gamma=gamma,
-                                                            temperature=temp, alternate=method == "cos", seed=seed,
-                                                            stats=st)
-                        wall += time.perf_counter() - t0
-                        tokens += len(out)
-                        calls_b += b.calls - 1
-                        acc += st.get("accepted", 0)
-                        drafted += st.get("drafted", 0)
-                        outs.append(out)
-                rows.append(dict(combiner=cname, temperature=temp, method=method, tokens=tokens, wall_s=wall,
-                                 tokens_per_s=tokens / wall, b_calls_per_token=calls_b / tokens,
-                                 acceptance=acc / drafted if drafted else None, outputs=outs))
-    for r in rows:  # T = 0: every driver must give standard's tokens
-        ref = next(s for s in rows if s["combiner"] == r["combiner"] and s["temperature"] == r["temperature"]
+def summarize(rows):
+    """The experiment's per-prompt rows (``experiments.cos.decode_all``) summed per (combiner, T,
+    method): tokens/s over the pass, b calls per token, acceptance, T = 0 agreement."""
+    out = []
+    keys = sorted({(r["combiner"], r["temperature"], r["method"]) for r in rows},
+                  key=lambda k: (k[0] != "we", k[1], METHODS.index(k[2])))
+    for key in keys:
+        rs = [r for r in rows if (r["combiner"], r["temperature"], r["method"]) == key]
+        tokens, wall = sum(r["tokens"] for r in rs), sum(r["wall_s"] for r in rs)
+        drafted = sum(r["drafted"] for r in rs)
+        out.append(dict(combiner=key[0], temperature=key[1], method=key[2], tokens=tokens, wall_s=wall,
+                        tokens_per_s=tokens / wall, b_calls_per_token=sum(r["calls_b"] for r in rs) / tokens,
+                        acceptance=sum(r["accepted"] for r in rs) / drafted if drafted else None,
+                        same_as_standard=all(r["same_as_standard"] for r in rs) if key[1] == 0 else None))
+    for r in out:
+        ref = next(s for s in out if s["combiner"] == r["combiner"] and s["temperature"] == r["temperature"]
                    and s["method"] == "standard")
         r["speedup_vs_standard"] = r["tokens_per_s"] / ref["tokens_per_s"]
-        r["same_as_standard"] = r["outputs"] == ref["outputs"] if r["temperature"] == 0 else None
-    for r in rows:
-        del r["outputs"]
-    return rows
+    return out
 
 
 def markdown(res):
@@ -162,30 +145,20 @@ def main(argv=None) -> dict:
     factories = {w: collab.FlaxLM(cfg, p, max_len).fork for w, (cfg, p) in models.items()}
     vocab = min(cfg.vocab_size for cfg, _ in models.values())
     if trained:
-        from experiments.cos.__main__ import PROMPTS
         from icml_jax.data.tokenizers import ByteTokenizer
         tok = ByteTokenizer()
         prompts = [[tok.bos_id] + tok.encode(t) for t in (PROMPTS * args.prompts)[:args.prompts]]
     else:
         rng = np.random.default_rng(0)
         prompts = [[1] + rng.integers(3, min(vocab, 259), 15).tolist() for _ in range(args.prompts)]
-    call_ms = {}
-    for w in ("a", "b"):  # compile every call shape once (prefill, 1..gamma + 2 tokens)
-        lm = factories[w]()
-        for n in sorted({len(p) for p in prompts} | set(range(1, args.gamma + 3))):
-            lm.feed([5] * n)
-            lm.rollback(0)
-        lm.feed([5] * 16)
-        for n in (1, args.gamma + 1):  # one token, and a verifier call's gamma + 1
-            t = []
-            for i in range(20):
-                t0 = time.perf_counter()
-                lm.feed([6] * n)
-                t.append(time.perf_counter() - t0)
-                lm.rollback(16)
-            call_ms[w if n == 1 else f"{w}_x{n}"] = 1e3 * float(np.median(t))
-    run_all(factories, prompts, args.new_tokens, args.gamma, seeds)  # warm-up pass
-    rows = run_all(factories, prompts, args.new_tokens, args.gamma, seeds)
+    exp = copy.deepcopy(PRESETS["default"])  # its combiners (we 0.7, cd 0.1), gamma and seeds unless overridden
+    exp.update(dict(new_tokens=args.new_tokens, gamma=args.gamma, seeds=seeds))
+    warm_up(factories, prompts, args.gamma)
+    costs = {w: call_cost(factories[w], 20) for w in ("a", "b")}
+    call_ms = {w: 1e3 * c for w, c in costs.items()}
+    call_ms[f"b_x{args.gamma + 1}"] = 1e3 * call_cost(factories["b"], 20, tokens=args.gamma + 1)
+    decode_all(exp, factories, prompts, costs)  # warm-up pass
+    rows = summarize(decode_all(exp, factories, prompts, costs))
     res = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), machine=platform.machine(),
                cpus=os.cpu_count(), python=sys.version.split()[0], jax=jax.__version__, loadavg=os.getloadavg(),
                weights=f"trained by experiments/cos ({os.path.relpath(args.trained, REPO_ROOT)})" if trained

@@ -60,16 +60,29 @@ def model_config(exp, which):
     return cfg
 
 
-def call_cost(lm_factory, repeats):
-    """Median seconds of a one-token call of the model's jitted cached step (after warm-up)."""
+def warm_up(models, toks, gamma):
+    """Compiles every call shape the drivers use (each prompt length, 1..gamma + 2 tokens) outside
+    the timings."""
+    for factory in models.values():
+        lm = factory()
+        for n in sorted({len(t) for t in toks} | set(range(1, gamma + 3))):
+            lm.feed([1] * n)
+            lm.rollback(0)
+
+
+def call_cost(lm_factory, repeats, tokens: int = 1):
+    """Median seconds of one call of the model's jitted cached step on ``tokens`` tokens (after a
+    3-token context; warm programs)."""
     lm = lm_factory()
     lm.feed([1, 2, 3])
-    lm.feed([4])
+    lm.feed([4] * tokens)
+    lm.rollback(3)
     times = []
     for i in range(repeats):
         t0 = time.perf_counter()
-        lm.feed([5 + i % 50])
+        lm.feed([5 + (i + j) % 50 for j in range(tokens)])
         times.append(time.perf_counter() - t0)
+        lm.rollback(3)
     return float(np.median(times))
 
 
@@ -205,11 +218,7 @@ def main(argv=None):
         models[which] = collab.FlaxLM(cfg.model, p, 512).fork
     _, tok = read_workdir(os.path.join(args.workdir, "model_a"))
     toks = [[tok.bos_id] + list(tok.encode(t)) for t in PROMPTS[:exp.prompts]]
-    for which in ("a", "b"):  # compile every call shape once, outside the timings
-        lm = models[which]()
-        for n in sorted({len(t) for t in toks} | set(range(1, exp.gamma + 3))):
-            lm.feed([1] * n)
-            lm.rollback(0)
+    warm_up(models, toks, exp.gamma)
     costs = {w: call_cost(models[w], exp.cost_repeats) for w in ("a", "b")}
     decode_all(exp, models, toks, costs)  # a warm pass: first calls of each program are slow
     rows = decode_all(exp, models, toks, costs)

@@ -169,7 +169,8 @@ def speculative_decode(models: Sequence[CachedLM], prompt: Sequence[int], max_ne
     P = len(prompt)
     seq = list(prompt)  # prompt + settled tokens + pending drafts
     qs: dict[int, np.ndarray] = {}  # position -> proposal distribution of the draft there
-    lg: list[dict[int, np.ndarray]] = [{} for _ in models]  # model -> {position: its logits there}
+    lg: list[dict[int, np.ndarray]] = [{} for _ in models]  # model -> {unsettled position: its logits}
+    st_out: list[int] = []  # settled tokens
 
     def call(i):
         """Model i consumes every token it has not seen; its logits at each position after."""
@@ -185,7 +186,7 @@ def speculative_decode(models: Sequence[CachedLM], prompt: Sequence[int], max_ne
             p = P + len(st_out)
             if not all(p in d for d in lg):
                 return False
-            r = combiner(*[d[p] for d in lg], temperature=t)
+            r = combiner(*[d.pop(p) for d in lg], temperature=t)  # p settles now: its logits go
             if p == len(seq):  # no draft here: the token comes from r
                 y = int(np.argmax(r)) if greedy else _draw(rng, r)
                 seq.append(y)
@@ -228,12 +229,12 @@ def speculative_decode(models: Sequence[CachedLM], prompt: Sequence[int], max_ne
             drafted += 1
         return False
 
-    st_out: list[int] = []
     for i in range(n):  # every model reads the prompt (the prefill call)
         call(i)
     turn = 0
     while len(st_out) < max_new:
-        st["rounds"] += turn == 0 or not alternate
+        if turn == 0:
+            st["rounds"] += 1
         if alternate:
             rejected = propose(turn, gammas[turn])
             turn = 0 if rejected else (turn + 1) % n
