@@ -279,8 +279,10 @@ class TableLM:
 
 class FlaxLM:
     """One of our decoders with its KV cache, batch 1: ``feed`` runs the cached model on the new
-    tokens (one jitted program per token count), ``rollback`` resets every layer's cache index
-    (the slots past it are never attended and are overwritten by the next feed)."""
+    tokens (one jitted program per token count), ``rollback`` only shortens the host-side token
+    list: every feed sets each layer's cache index (the KV write pointer) to the number of tokens
+    kept, inside its jitted step, so a rollback costs no device call (the slots past the pointer
+    are never attended and are overwritten by the next feed)."""
 
     def __init__(self, model_cfg, params, max_len: int | None = None):
         from icml_jax.inference.decode import init_cache
@@ -291,6 +293,7 @@ class FlaxLM:
         self._empty = init_cache(model, 1, self.max_len)
 
         def step(params, cache, toks, pos):
+            cache = _set_cache_index(cache, pos[0, 0])  # the pointer follows the host's length
             logits, mut = model.apply({"params": params, "cache": cache}, toks, pos,
                                       jnp.ones_like(toks), mutable=["cache"])
             return logits[0].astype(jnp.float32), mut["cache"]
@@ -327,11 +330,9 @@ class FlaxLM:
         return np.asarray(logits)
 
     def rollback(self, length: int) -> None:
-        del self.tokens[length:]
-        self.cache = _set_cache_index(self.cache, np.int32(length))
+        del self.tokens[length:]  # the next feed writes from position ``length`` on
 
 
-@jax.jit
 def _set_cache_index(cache, length):
     """The cache with every ``index`` leaf (the KV write pointer) set to ``length``."""
     return jax.tree_util.tree_map_with_path(
