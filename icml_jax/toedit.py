@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 
+from icml_jax.data import sources
 from icml_jax.analysis.toedit import (COMPARES, ToEditConfig, banned_for, edit_corpus, edit_stats,
                                       edited_texts, write_edited)
 
@@ -43,23 +44,28 @@ def main(argv=None) -> dict:
         cfg.check(config.model.vocab_size)
         if args.batch_size < 1:
             raise ValueError(f"--batch_size={args.batch_size} must be >= 1")
-        if os.path.exists(args.out):
-            raise ValueError(f"--out={args.out} exists; pick a new file (an edited corpus is never overwritten)")
+        for path in (args.out, args.out + ".stats.json"):
+            if os.path.exists(path):
+                raise ValueError(f"{path} exists; pick a new --out (an edited corpus is never overwritten)")
         if not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
             raise ValueError(f"--out={args.out}: its folder does not exist")
-    except (ValueError, workdir_lib.WorkdirError) as e:
-        raise SystemExit(f"toedit: {e}") from None
-    data_cfg = config.data
-    if args.data_name:
-        data_cfg.name = args.data_name
-    if args.data_path:
-        data_cfg.path = args.data_path
+        data_cfg = config.data
+        if args.data_name:
+            data_cfg.name = args.data_name
+        if args.data_path:
+            data_cfg.path = args.data_path
+        source = sources.get_split_source(data_cfg, args.split)  # reads the text, not JAX
+    except (ValueError, OSError, workdir_lib.WorkdirError) as e:
+        raise SystemExit(f"toedit: {str(e).strip()}") from None
     xla_env.use_defaults()
     import jax  # pylint: disable=g-import-not-at-top
 
-    from icml_jax.data.pipeline import load_corpus  # pylint: disable=g-import-not-at-top
-    corpus = load_corpus(data_cfg, tok, args.split, min(int(data_cfg.seq_len), int(config.model.max_seq_len)))
-    params, step = workdir_lib.latest_params(args.checkpoint, config.model)
+    from icml_jax.data.pipeline import tokenize_source  # pylint: disable=g-import-not-at-top
+    corpus = tokenize_source(source, tok, min(int(data_cfg.seq_len), int(config.model.max_seq_len)))
+    try:
+        params, step = workdir_lib.latest_params(args.checkpoint, config.model)
+    except workdir_lib.WorkdirError as e:
+        raise SystemExit(f"toedit: {e}") from None
     tokens, hit, dropped = edit_corpus(config.model, params, corpus, jax.random.key(args.seed), cfg,
                                        banned_for(tok, config.model.vocab_size), args.batch_size)
     stats = edit_stats(corpus, corpus.tokens, tokens, hit, dropped, cfg)

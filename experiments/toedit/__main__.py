@@ -13,7 +13,7 @@ share of the pieces is replaced by their synthetic twins, on S alone, and on eac
 all for the same steps × batch × length (equal token budgets). Measured: NLL in nats per byte on
 held-out human text (pieces of the validation works), distinct-2 of each training corpus and its
 bigram KL to H, the edit rates. Gates: the prior and the H student beat the unigram entropy of H
-on held-out text (they learned beyond letter frequencies), and ToEdit edited >= 1% of the tokens
+on held-out text (they learned beyond letter frequencies), and ToEdit changed >= 1% of the tokens
 at some p. Outputs: DIR/results.csv, DIR/results.md, DIR/nll.png, DIR/config.json.
 """
 import json
@@ -22,7 +22,7 @@ import sys
 
 import numpy as np
 
-from experiments.common import (git_commit, markdown_table, mean_spread, pm, preset, record, run_overrides,
+from experiments.common import (digest, git_commit, markdown_table, mean_spread, pm, preset, record, run_overrides,
                                 save_figure, start, train_run, write_atomic, write_csv, write_json)
 
 QUIET = {"train.samples": 0, "train.progress": False}
@@ -36,16 +36,16 @@ PRESETS = {
                                 checkpoint_every=6)),
         docs=24, piece_len=63, prefix=16, shares=(0.5,), edit_ps=(0.9,), seeds=(0,), eval_pieces=8, gate_edit=0.0),
     "default": preset(
-        prior=dict(model=dict(d_model=192, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=48, ffn_dim=512),
+        prior=dict(model=dict(d_model=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32, ffn_dim=384),
                    train=dict(steps=800, batch_size=16, lr=3e-3, warmup_steps=50, log_every=100, eval_every=400,
                               eval_batches=4, checkpoint_every=400)),
         student=dict(model=dict(d_model=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, ffn_dim=384),
-                     train=dict(steps=300, batch_size=16, lr=3e-3, warmup_steps=30, log_every=100, eval_every=300,
-                                eval_batches=2, checkpoint_every=300)),
+                     train=dict(steps=250, batch_size=16, lr=3e-3, warmup_steps=25, log_every=125, eval_every=250,
+                                eval_batches=2, checkpoint_every=250)),
         docs=2000, piece_len=127, prefix=32, shares=(0.25, 0.5, 0.75), edit_ps=(0.99, 0.9), seeds=(0, 1, 2),
         eval_pieces=256, gate_edit=0.01),
 }
-FIELDS = ("arm", "share", "p", "seed", "nll", "edit_rate", "distinct2", "bigram_kl")
+FIELDS = ("arm", "share", "p", "seed", "nll", "edit_rate", "changed_rate", "distinct2", "bigram_kl")
 
 
 # ----------------------------------------------------------------------------- corpora
@@ -138,20 +138,22 @@ def main(argv=None):
     held = pieces("validation", exp.eval_pieces, exp.piece_len)
     wd = args.workdir
     h_path = os.path.join(wd, "corpus_human.jsonl")
-    if not os.path.exists(h_path):
-        write_corpus(h_path, human)
+    write_corpus(h_path, human)
     prior_cfg = run_config(exp, "prior", h_path, 0, seq_len)
-    train_run(prior_cfg, os.path.join(wd, "prior"))
-    prior = restore_model_params(os.path.join(wd, "prior"), prior_cfg.model)[0]
+    prior_dir = os.path.join(wd, f"prior_{digest(human, 8)}")  # a run is reused only on the same text
+    train_run(prior_cfg, prior_dir)
+    prior = restore_model_params(prior_dir, prior_cfg.model)[0]
     synthetic = synthesize(prior_cfg.model, prior, tok, human, exp.prefix, seed=0)
     corpus = tokenize_source([{"text": h} for h in human], tok, seq_len)
-    edited, rates = {}, {}
+    mismatch = float(np.mean([len(s.encode()) != len(h.encode()) for s, h in zip(synthetic, human)]))
+    edited, rates, changed = {}, {}, {}
     for p in exp.edit_ps:
         conf = toedit.ToEditConfig(p=p, k=8, beta=1.0)
         out, hit, drop = toedit.edit_corpus(prior_cfg.model, prior, corpus, jax.random.key(1), conf,
                                             toedit.banned_for(tok, prior_cfg.model.vocab_size))
         edited[p] = toedit.edited_texts(tok, corpus, out, drop)
-        rates[p] = toedit.edit_stats(corpus, corpus.tokens, out, hit, drop, conf)["edit_rate"]
+        st = toedit.edit_stats(corpus, corpus.tokens, out, hit, drop, conf)
+        rates[p], changed[p] = st["edit_rate"], st["changed_rate"]
     _, _, h_counts = bigram_stats(human)
     rng = np.random.default_rng(0)
     order = rng.permutation(exp.docs)  # which pieces a mix takes from S: the first share of this order
@@ -167,22 +169,25 @@ def main(argv=None):
         d2, kl, _ = bigram_stats(docs, h_counts)
         for seed in exp.seeds:
             cfg = run_config(exp, "student", path, seed, seq_len)
-            sd = os.path.join(wd, "students", f"{os.path.basename(path)[7:-6]}_seed{seed}")
+            sd = os.path.join(wd, "students", f"{os.path.basename(path)[7:-6]}_{digest(docs, 8)}_seed{seed}")
             train_run(cfg, sd)
             params = restore_model_params(sd, cfg.model)[0]
             rows.append(dict(arm=name, share=share, p=p if p is not None else "", seed=seed,
                              nll=held_out_nll(cfg.model, params, tok, held),
-                             edit_rate=rates.get(p, ""), distinct2=d2, bigram_kl=kl))
+                             edit_rate=rates.get(p, ""), changed_rate=changed.get(p, ""), distinct2=d2,
+                             bigram_kl=kl))
     freq = np.bincount(np.frombuffer("".join(human).encode(), np.uint8), minlength=256) / len("".join(human))
     unigram = float(-(freq[freq > 0] * np.log(freq[freq > 0])).sum())
     prior_nll = held_out_nll(prior_cfg.model, prior, tok, held)
     h_nll = np.mean([r["nll"] for r in rows if r["arm"] == "human"])
     gates = {f"prior held-out NLL {prior_nll:.3f} < unigram entropy {unigram:.3f}": bool(prior_nll < unigram),
              f"human student held-out NLL {h_nll:.3f} < unigram entropy": bool(h_nll < unigram),
-             f"ToEdit edits >= {exp.gate_edit:.0%} of tokens at some p "
-             f"({', '.join(f'p={p:g}: {r:.1%}' for p, r in rates.items())})": bool(max(rates.values()) >= exp.gate_edit)}
+             f"ToEdit changes >= {exp.gate_edit:.0%} of the tokens at some p "
+             f"({', '.join(f'p={p:g}: {r:.2%}' for p, r in changed.items())})":
+                 bool(max(changed.values()) >= exp.gate_edit)}
     meta = dict(preset=args.preset, commit=git_commit(), minutes=elapsed() / 60, prior_nll=prior_nll,
                 unigram=unigram, edit_rates={str(p): r for p, r in rates.items()},
+                changed_rates={str(p): r for p, r in changed.items()}, synthetic_length_mismatch=mismatch,
                 tokens_per_student=exp.student.train.steps * exp.student.train.batch_size * seq_len)
     write_csv(os.path.join(wd, "results.csv"), rows, FIELDS)
     write_atomic(os.path.join(wd, "results.md"), markdown(exp, meta, rows, gates))
@@ -200,6 +205,7 @@ def summary(exp, rows):
         rs = [r for r in rows if r["arm"] == name]
         m, se, _ = mean_spread([r["nll"] for r in rs])
         out.append(dict(arm=name, share=share, p=p, nll=m, se=se, edit_rate=rs[0]["edit_rate"],
+                        changed_rate=rs[0]["changed_rate"],
                         distinct2=rs[0]["distinct2"], bigram_kl=rs[0]["bigram_kl"]))
     return out
 
@@ -207,10 +213,11 @@ def summary(exp, rows):
 def markdown(exp, meta, rows, gates):
     s = summary(exp, rows)
     h = next(r for r in s if r["arm"] == "human")
-    table = [[r["arm"], f"{r['edit_rate']:.1%}" if r["edit_rate"] != "" else "—", pm(r["nll"], r["se"], nd=4),
+    table = [[r["arm"], f"{r['edit_rate']:.1%}" if r["edit_rate"] != "" else "—",
+              f"{r['changed_rate']:.2%}" if r["changed_rate"] != "" else "—", pm(r["nll"], r["se"], nd=4),
               f"{r['nll'] - h['nll']:+.4f}", f"{r['distinct2']:.4f}", f"{r['bigram_kl']:.4f}"] for r in s]
     mixes = [r for r in s if r["p"] is None]
-    mono = all(a["nll"] <= b["nll"] for a, b in zip(mixes, mixes[1:]))
+    mono = all(a["nll"] < b["nll"] for a, b in zip(mixes, mixes[1:]))  # means only; the se are in the table
     edits = [r for r in s if r["p"] is not None]
     lines = [
         "# ToEdit: human vs synthetic vs token-edited training data at equal token budgets", "",
@@ -228,14 +235,21 @@ def markdown(exp, meta, rows, gates):
         "Gates: " + "; ".join(f"{k}: {'pass' if v else 'FAIL'}" for k, v in gates.items()) + ".", "",
         *([] if all(gates.values()) else ["**A gate failed: the comparison below cannot show the paper's effect; "
                                           "read it as a record of this run only.**", ""]),
-        markdown_table(["training data", "edit rate", "held-out human NLL ± se", "vs human", "distinct-2",
-                        "bigram KL to H"], table), "",
-        "distinct-2 and the bigram KL (add-0.5 smoothing) describe each arm's training corpus, not the students.", "",
+        markdown_table(["training data", "resampled", "changed", "held-out human NLL ± se", "vs human",
+                        "distinct-2", "bigram KL to H"], table), "",
+        "Resampled = share of the text tokens ToEdit redrew (P ≥ p); changed = share that differ afterwards (a redraw "
+        "at beta = 1 returns the original token with probability ≥ p). distinct-2 and the bigram KL (add-0.5 "
+        "smoothing) describe each arm's training corpus, not the students. The prior, S and the edits are drawn "
+        "once; the ± covers the students' seeds (initialisation and data order) only. The JSONL source sets aside "
+        "a hash-chosen share of the pieces (the same line numbers in every arm) for its validation and test "
+        f"splits, so students see the rest. Synthetic pieces whose byte length differs from their human twin "
+        f"(a sampled special id dropped, or a non-ASCII byte decoded as U+FFFD): "
+        f"{meta['synthetic_length_mismatch']:.1%}.", "",
         f"Reading: held-out NLL {'rises monotonically' if mono else 'does not rise monotonically'} with the "
         f"synthetic share (human {mixes[0]['nll']:.4f} → synthetic {mixes[-1]['nll']:.4f}); ToEdit "
-        + "; ".join(f"p={r['p']:g}: {r['nll'] - h['nll']:+.4f} vs human ({r['nll'] - h['nll']:+.4f} / "
-                    f"{max(r['se'], h['se']):.4f} = {(r['nll'] - h['nll']) / max(r['se'], h['se'], 1e-9):+.1f} "
-                    "larger se)" for r in edits)
+        + "; ".join(f"p={r['p']:g}: {r['nll'] - h['nll']:+.4f} vs human "
+                    f"({(r['nll'] - h['nll']) / max(np.hypot(r['se'], h['se']), 1e-9):+.1f} combined se)"
+                    for r in edits)
         + ". The iterative chains of the spec (generation n's prior = generation n − 1's student) are not run.", ""]
     return "\n".join(lines)
 

@@ -16,7 +16,9 @@ rate and the settings). Both are written atomically: a failed run leaves neither
 
 Documents are scored in the training pipeline's chunks (``pipeline.tokenize_source``: pieces of at
 most ``seq_len`` + 1 tokens overlapping by one), so every token after the document's BOS is scored
-exactly once, with the same context a model trained on the corpus saw. Candidates never include
+exactly once, with the same context a model trained on the corpus saw (the document's EOS is never
+edited). The draws depend on the key and on ``batch_size`` (each batch of chunks draws with
+``fold_in(key, first chunk index)``): keep both to reproduce an edit. Candidates never include
 the tokenizer's special ids or ids outside its vocabulary (the prior's vocabulary is padded to a
 multiple of 128); the reference, whose tokenizer has no such padding, needs no such rule.
 
@@ -24,13 +26,15 @@ Flags as in the reference (spec §4): ``compare`` "ge" resamples when P >= p (pa
 (the authors' code); ``beta`` 1 is plain top-k sampling (Alg. 1), 1.5 the code's ``up_revise``;
 ``drop_below`` > 0 also deletes tokens with P < drop_below (the code's ``low_drop_up_revise``; it
 changes the document's length). The edit rate is the fraction of scored tokens that were resampled
-(a resample may draw the original token again; ``changed_rate`` counts the tokens that differ).
+(a resample draws the original token again with probability >= p at beta = 1, so at most a share
+1 - p of them change; ``changed_rate`` counts the tokens that differ).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import json
+import os
 
 import numpy as np
 
@@ -121,6 +125,7 @@ def edit_corpus(model_cfg, params, corpus, key, cfg: ToEditConfig, banned_ids=()
     cfg.check(model_cfg.vocab_size)
     edit = _editor(ml_collections.FrozenConfigDict(model_cfg), cfg, tuple(int(i) for i in banned_ids))
     T = int((corpus.chunk_ends - corpus.chunk_starts).max()) - 1
+    scored_N = scored_mask(corpus)
     out = corpus.tokens.copy()
     hit_N = np.zeros(len(out), bool)
     drop_N = np.zeros(len(out), bool)
@@ -133,12 +138,22 @@ def edit_corpus(model_cfg, params, corpus, key, cfg: ToEditConfig, banned_ids=()
         for r, c in enumerate(idx):
             piece = corpus.tokens[corpus.chunk_starts[c]:corpus.chunk_ends[c]]
             n = len(piece) - 1
-            inp[r, :n], tgt[r, :n], valid[r, :n] = piece[:-1], piece[1:], True
+            inp[r, :n], tgt[r, :n] = piece[:-1], piece[1:]
+            valid[r, :n] = scored_N[corpus.chunk_starts[c] + 1:corpus.chunk_ends[c]]
         new, hit, drop = (np.asarray(x) for x in edit(params, inp, tgt, valid, jax.random.fold_in(key, b0)))
         for r, c in enumerate(idx):  # targets are the tokens after each chunk's first
             s, e = corpus.chunk_starts[c] + 1, corpus.chunk_ends[c]
             out[s:e], hit_N[s:e], drop_N[s:e] = new[r, :e - s], hit[r, :e - s], drop[r, :e - s]
     return out, hit_N, drop_N
+
+
+def scored_mask(corpus) -> np.ndarray:
+    """[N] bool: the tokens ToEdit scores, every token but each document's BOS and EOS (the
+    end of a document is structure, not text: it is never resampled or dropped)."""
+    scored = np.ones(len(corpus.tokens), bool)
+    scored[corpus.doc_starts[:-1]] = False
+    scored[corpus.doc_starts[1:] - 1] = False
+    return scored
 
 
 def edited_texts(tokenizer, corpus, tokens, dropped) -> list[str]:
@@ -152,9 +167,8 @@ def edited_texts(tokenizer, corpus, tokens, dropped) -> list[str]:
 
 
 def edit_stats(corpus, original, tokens, hit, dropped, cfg: ToEditConfig) -> dict:
-    """Counts over the scored tokens (every token but each document's BOS)."""
-    scored = np.ones(len(tokens), bool)
-    scored[corpus.doc_starts[:-1]] = False
+    """Counts over the scored tokens (``scored_mask``)."""
+    scored = scored_mask(corpus)
     n = int(scored.sum())
     return dict(documents=int(corpus.num_documents), scored_tokens=n, resampled=int(hit.sum()),
                 edit_rate=float(hit.sum() / n), changed_rate=float((tokens != original)[scored].mean()),
@@ -163,7 +177,13 @@ def edit_stats(corpus, original, tokens, hit, dropped, cfg: ToEditConfig) -> dic
 
 
 def write_edited(path: str, texts: list[str], stats: dict) -> None:
-    """``path`` (JSONL, one ``{"text"}`` per document) and ``path.stats.json``, each atomically."""
+    """``path.stats.json`` then ``path`` (JSONL, one ``{"text"}`` per document), each atomically;
+    if the corpus cannot be written the stats file is removed again, so neither is left behind."""
     from icml_jax.atomic import write_atomic  # pylint: disable=g-import-not-at-top
-    write_atomic(path, "".join(json.dumps({"text": t}) + "\n" for t in texts))
-    write_atomic(path + ".stats.json", json.dumps(stats, indent=2) + "\n")
+    stats_path = path + ".stats.json"
+    write_atomic(stats_path, json.dumps(stats, indent=2) + "\n")
+    try:
+        write_atomic(path, "".join(json.dumps({"text": t}) + "\n" for t in texts))
+    except BaseException:
+        os.remove(stats_path)
+        raise

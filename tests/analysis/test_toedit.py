@@ -1,6 +1,8 @@
 """ToEdit (icml_jax/data/toedit.py): the resampling rule on logits, the corpus pass, the CLI."""
 import json
 import os
+import subprocess
+import sys
 
 import flax.linen as nn
 import jax
@@ -10,7 +12,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from icml_jax.config_utils import load_config
+from icml_jax.config_utils import REPO_ROOT, load_config
 from icml_jax.data import get_split_source
 from icml_jax.data.pipeline import tokenize_source
 from icml_jax.data.tokenizers import ByteTokenizer
@@ -95,8 +97,9 @@ def test_corpus_pass_conditions_on_the_original_text_and_reproduces(prior):
         piece = np.zeros((1, 17), np.int32)
         piece[0, :e - s] = corpus.tokens[s:e]
         prob[s + 1:e] = _probs(apply(piece[:, :-1]), piece[:, 1:])[0, :e - s - 1]
-    scored = np.ones(len(prob), bool)
+    scored = np.ones(len(prob), bool)  # every token but each document's BOS and EOS
     scored[corpus.doc_starts[:-1]] = False
+    scored[corpus.doc_starts[1:] - 1] = False
     p = float(np.median(prob[scored]))
     conf = toedit.ToEditConfig(p=p, k=4)
     banned = toedit.banned_for(tok, cfg.vocab_size)
@@ -107,12 +110,13 @@ def test_corpus_pass_conditions_on_the_original_text_and_reproduces(prior):
     np.testing.assert_array_equal(hit, scored & (prob >= p))
     assert 0.3 < hit[scored].mean() < 0.7 and not drop.any()
     assert (out[~hit] == corpus.tokens[~hit]).all() and len(out) == len(corpus.tokens)
+    assert (out[corpus.doc_starts[1:] - 1] == tok.eos_id).all()  # a confident EOS stays
     assert not np.isin(out[hit], banned).any()
     again = toedit.edit_corpus(cfg, params, corpus, key, conf, banned, batch_size=4)[0]
     other = toedit.edit_corpus(cfg, params, corpus, jax.random.key(8), conf, banned, batch_size=4)[0]
     assert (again == out).all() and (other != out).any()
     st = toedit.edit_stats(corpus, corpus.tokens, out, hit, drop, conf)
-    assert st["scored_tokens"] == len(out) - len(texts) and st["edit_rate"] == hit.sum() / st["scored_tokens"]
+    assert st["scored_tokens"] == len(out) - 2 * len(texts) and st["edit_rate"] == hit.sum() / st["scored_tokens"]
     # the drop variant deletes the unlikely tokens that were not resampled
     dconf = toedit.ToEditConfig(p=p, k=4, drop_below=float(np.quantile(prob[scored], 0.2)))
     _, dhit, ddrop = toedit.edit_corpus(cfg, params, corpus, key, dconf, banned, batch_size=4)
@@ -147,10 +151,19 @@ def test_cli_writes_an_edited_corpus_that_the_pipeline_reads(tmp_path):
     wd, config = _workdir(tmp_path, corpus_path)
     out = tmp_path / "edited.jsonl"
     # bad settings stop before any compute and write nothing
-    for args, msg in ((["--k=0"], "k=0"), (["--beta=0"], "beta=0"), ([f"--out={corpus_path}"], "exists")):
+    for args, msg in ((["--k=0"], "k=0"), (["--beta=0"], "beta=0"), (["--p=nan"], "p=nan"),
+                      ([f"--out={corpus_path}"], "exists"), (["--split=dev"], "dev"),
+                      ([f"--data_path={tmp_path / 'missing.jsonl'}"], "missing.jsonl")):
         with pytest.raises(SystemExit, match=msg):
             toedit_cli.main([f"--checkpoint={wd}", f"--out={out}", *args])
-        assert not out.exists()
+        assert not out.exists() and not os.path.exists(str(out) + ".stats.json")
+    # in a fresh process: a bad split stops with one line before JAX is imported
+    probe = ("import atexit, sys; atexit.register(lambda: print('jax imported:', 'jax' in sys.modules)); "
+             "from icml_jax import toedit; toedit.main(sys.argv[1:])")
+    r = subprocess.run([sys.executable, "-c", probe, f"--checkpoint={wd}", f"--out={out}", "--split=dev"],
+                       cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "jax imported: False" in r.stdout, r.stdout + r.stderr
+    assert r.stderr.strip().startswith("toedit:") and "dev" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     st = toedit_cli.main([f"--checkpoint={wd}", f"--out={out}", "--p=0", "--k=3", "--split=train"])
     assert st["edit_rate"] == 1.0 and st["documents"] >= 1
     assert json.loads((tmp_path / "edited.jsonl.stats.json").read_text())["edit_rate"] == 1.0

@@ -3,6 +3,8 @@ import csv
 import json
 import os
 
+import numpy as np
+
 from experiments.toedit.__main__ import PRESETS, arms, bigram_stats, main
 
 
@@ -22,13 +24,14 @@ def test_toedit_tiny_outputs(tmp_path, monkeypatch):
     human, synth, mix = read("corpus_human.jsonl"), read("corpus_synthetic.jsonl"), read("corpus_mix_50pct.jsonl")
     assert len(human) == len(synth) == len(mix) == exp.docs
     assert all(s[:exp.prefix] == h[:exp.prefix] and s != h for h, s in zip(human, synth))
-    assert all(len(s.encode()) >= len(h) for h, s in zip(human, synth))
+    cfg = json.load(open(os.path.join(wd, "config.json")))
+    mismatch = np.mean([len(s.encode()) != len(h) for h, s in zip(human, synth)])
+    assert cfg["meta"]["synthetic_length_mismatch"] == mismatch
     assert sum(m == s for m, s in zip(mix, synth)) == exp.docs // 2
     assert sum(m == h for m, h in zip(mix, human)) == exp.docs // 2
     edited = read("corpus_toedit_p0.9.jsonl")
-    rate = float(rows[-1]["edit_rate"])
-    assert 0 <= rate <= 1 and (rate > 0) == (edited != human)
-    cfg = json.load(open(os.path.join(wd, "config.json")))
+    rate, changed = float(rows[-1]["edit_rate"]), float(rows[-1]["changed_rate"])
+    assert 0 <= changed <= rate <= 1 and (changed > 0) == (edited != human)
     assert len(cfg["gates"]) == 3
     assert "Gates:" in open(os.path.join(wd, "results.md")).read()
 
