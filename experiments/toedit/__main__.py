@@ -7,7 +7,7 @@ the embedded Shakespeare corpus (byte tokens). A prior decoder is trained on H w
 trainer. From it: the synthetic corpus S (each human piece's first ``prefix`` characters continued
 by the prior at T = 1 to the same length, so S is length-matched to H piece by piece) and the
 ToEdit corpora ToEdit_p(H) (``icml_jax.analysis.toedit``: tokens the prior gives probability >= p
-are resampled from its top-k, k = 8, beta = 1), for each p in ``edit_ps``. Students (one per arm
+are resampled from softmax(top-k log-probs / beta), k = 8), for each (p, beta) in ``edits``. Students (one per arm
 and seed; the seed sets the initialisation and data order) are trained on H, on H+S mixes where a
 share of the pieces is replaced by their synthetic twins, on S alone, and on each ToEdit corpus,
 all for the same steps × batch × length (equal token budgets). Measured: NLL in nats per byte on
@@ -34,18 +34,18 @@ PRESETS = {
         student=dict(model=dict(d_model=32, num_layers=1, num_heads=2, num_kv_heads=2, head_dim=16, ffn_dim=64),
                      train=dict(steps=6, batch_size=4, warmup_steps=2, log_every=3, eval_every=6, eval_batches=1,
                                 checkpoint_every=6)),
-        docs=24, piece_len=63, prefix=16, shares=(0.5,), edit_ps=(0.9,), seeds=(0,), eval_pieces=8, gate_edit=0.0),
+        docs=24, piece_len=63, prefix=16, shares=(0.5,), edits=((0.9, 1.0),), seeds=(0,), eval_pieces=8, gate_edit=0.0),
     "default": preset(
         prior=dict(model=dict(d_model=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32, ffn_dim=384),
                    train=dict(steps=800, batch_size=16, lr=3e-3, warmup_steps=50, log_every=100, eval_every=400,
                               eval_batches=4, checkpoint_every=400)),
         student=dict(model=dict(d_model=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, ffn_dim=384),
-                     train=dict(steps=250, batch_size=16, lr=3e-3, warmup_steps=25, log_every=125, eval_every=250,
-                                eval_batches=2, checkpoint_every=250)),
-        docs=2000, piece_len=127, prefix=32, shares=(0.25, 0.5, 0.75), edit_ps=(0.99, 0.9), seeds=(0, 1, 2),
+                     train=dict(steps=400, batch_size=16, lr=3e-3, warmup_steps=40, log_every=200, eval_every=400,
+                                eval_batches=2, checkpoint_every=400)),
+        docs=2000, piece_len=127, prefix=32, shares=(0.25, 0.5, 0.75), edits=((0.99, 1.0), (0.9, 1.0), (0.9, 1.5)), seeds=(0, 1, 2),
         eval_pieces=256, gate_edit=0.01),
 }
-FIELDS = ("arm", "share", "p", "seed", "nll", "edit_rate", "changed_rate", "distinct2", "bigram_kl")
+FIELDS = ("arm", "share", "p", "beta", "seed", "nll", "edit_rate", "changed_rate", "distinct2", "bigram_kl")
 
 
 # ----------------------------------------------------------------------------- corpora
@@ -119,9 +119,9 @@ def run_config(exp, role: str, corpus: str, seed: int, seq_len: int):
 
 
 def arms(exp):
-    """(name, share of synthetic pieces, ToEdit p) of every student arm."""
+    """(name, share of synthetic pieces, ToEdit (p, beta) or None) of every student arm."""
     return ([("human", 0.0, None)] + [(f"mix {s:.0%}", s, None) for s in exp.shares] + [("synthetic", 1.0, None)]
-            + [(f"toedit p={p:g}", 0.0, p) for p in exp.edit_ps])
+            + [(f"toedit p={p:g}" + ("" if b == 1 else f" beta={b:g}"), 0.0, (p, b)) for p, b in exp.edits])
 
 
 def main(argv=None):
@@ -147,8 +147,8 @@ def main(argv=None):
     corpus = tokenize_source([{"text": h} for h in human], tok, seq_len)
     mismatch = float(np.mean([len(s.encode()) != len(h.encode()) for s, h in zip(synthetic, human)]))
     edited, rates, changed = {}, {}, {}
-    for p in exp.edit_ps:
-        conf = toedit.ToEditConfig(p=p, k=8, beta=1.0)
+    for p in exp.edits:
+        conf = toedit.ToEditConfig(p=p[0], k=8, beta=p[1])
         out, hit, drop = toedit.edit_corpus(prior_cfg.model, prior, corpus, jax.random.key(1), conf,
                                             toedit.banned_for(tok, prior_cfg.model.vocab_size))
         edited[p] = toedit.edited_texts(tok, corpus, out, drop)
@@ -172,7 +172,7 @@ def main(argv=None):
             sd = os.path.join(wd, "students", f"{os.path.basename(path)[7:-6]}_{digest(docs, 8)}_seed{seed}")
             train_run(cfg, sd)
             params = restore_model_params(sd, cfg.model)[0]
-            rows.append(dict(arm=name, share=share, p=p if p is not None else "", seed=seed,
+            rows.append(dict(arm=name, share=share, p=p[0] if p else "", beta=p[1] if p else "", seed=seed,
                              nll=held_out_nll(cfg.model, params, tok, held),
                              edit_rate=rates.get(p, ""), changed_rate=changed.get(p, ""), distinct2=d2,
                              bigram_kl=kl))
@@ -183,7 +183,7 @@ def main(argv=None):
     gates = {f"prior held-out NLL {prior_nll:.3f} < unigram entropy {unigram:.3f}": bool(prior_nll < unigram),
              f"human student held-out NLL {h_nll:.3f} < unigram entropy": bool(h_nll < unigram),
              f"ToEdit changes >= {exp.gate_edit:.0%} of the tokens at some p "
-             f"({', '.join(f'p={p:g}: {r:.2%}' for p, r in changed.items())})":
+             f"({', '.join(f'p={p:g} beta={b:g}: {r:.2%}' for (p, b), r in changed.items())})":
                  bool(max(changed.values()) >= exp.gate_edit)}
     meta = dict(preset=args.preset, commit=git_commit(), minutes=elapsed() / 60, prior_nll=prior_nll,
                 unigram=unigram, edit_rates={str(p): r for p, r in rates.items()},
@@ -247,7 +247,7 @@ def markdown(exp, meta, rows, gates):
         f"{meta['synthetic_length_mismatch']:.1%}.", "",
         f"Reading: held-out NLL {'rises monotonically' if mono else 'does not rise monotonically'} with the "
         f"synthetic share (human {mixes[0]['nll']:.4f} → synthetic {mixes[-1]['nll']:.4f}); ToEdit "
-        + "; ".join(f"p={r['p']:g}: {r['nll'] - h['nll']:+.4f} vs human "
+        + "; ".join(f"{r['arm'][7:]}: {r['nll'] - h['nll']:+.4f} vs human "
                     f"({(r['nll'] - h['nll']) / max(np.hypot(r['se'], h['se']), 1e-9):+.1f} combined se)"
                     for r in edits)
         + ". The iterative chains of the spec (generation n's prior = generation n − 1's student) are not run.", ""]
@@ -265,7 +265,7 @@ def plot(exp, rows, path):
                 label="human + synthetic mix")
     for r in s:
         if r["p"] is not None:
-            ax.errorbar([0.0], [r["nll"]], [r["se"]], fmt="s", label=f"ToEdit p={r['p']:g} ({r['edit_rate']:.0%} edited)")
+            ax.errorbar([0.0], [r["nll"]], [r["se"]], fmt="s", label=f"ToEdit {r['arm'][7:]} ({r['changed_rate']:.2%} changed)")
     ax.set_xlabel("synthetic share of the training pieces")
     ax.set_ylabel("held-out human NLL (nats/byte)")
     ax.legend(fontsize=8)
