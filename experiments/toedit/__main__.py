@@ -226,7 +226,7 @@ def markdown(exp, meta, rows, gates):
         f"H = {exp.docs} pieces of {exp.piece_len} characters of the Shakespeare train works. Prior: "
         f"{exp.prior.model.num_layers} layers, d {exp.prior.model.d_model}, {exp.prior.train.steps} steps on H "
         f"(held-out NLL {meta['prior_nll']:.3f} nats/byte; unigram entropy of H {meta['unigram']:.3f}). S = each piece's "
-        f"first {exp.prefix} characters continued by the prior at T = 1 to the same length. ToEdit: k = 8, beta = 1, "
+        f"first {exp.prefix} characters continued by the prior at T = 1 to the same length. ToEdit: k = 8, beta = 1 unless the arm names another, "
         f"original-prefix teacher forcing. Students: {exp.student.model.num_layers} layers, d "
         f"{exp.student.model.d_model}, {exp.student.train.steps} steps × {exp.student.train.batch_size} rows × "
         f"{exp.piece_len + 1} tokens ({meta['tokens_per_student']:,} tokens) per arm and seed, seeds "
