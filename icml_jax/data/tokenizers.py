@@ -51,6 +51,12 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return self.encode_np(text).tolist()
 
+    def encode_with_spans(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """(ids [N], character spans [N, 2]): every byte of a multi-byte character covers that
+        whole character (for token alignment across tokenizers, ``data/alignment.py``)."""
+        from icml_jax.data.alignment import byte_char_spans  # pylint: disable=g-import-not-at-top
+        return self.encode_np(text), byte_char_spans(text)
+
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         """Drops specials and out-of-range ids; invalid UTF-8 becomes U+FFFD (never raises)."""
         arr = np.asarray(ids, dtype=np.int64).reshape(-1)
@@ -92,6 +98,22 @@ class SentencePieceTokenizer:
 
     def encode_np(self, text: str) -> np.ndarray:
         return np.asarray(self.encode(text), dtype=np.int32)
+
+    def encode_with_spans(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """(ids [N], character spans [N, 2] into ``text``) from SentencePiece's piece offsets (byte
+        offsets of the surface, converted to characters); a piece with no surface (a lone "▁"
+        before a word) has an empty span."""
+        proto = self._sp.encode(text, return_type="proto")
+        char_of_byte = np.zeros(len(text.encode("utf-8")) + 1, np.int64)
+        pos = 0
+        for k, ch in enumerate(text):
+            n = len(ch.encode("utf-8"))
+            char_of_byte[pos:pos + n] = k
+            pos += n
+        char_of_byte[pos] = len(text)
+        ids = np.asarray([p.id for p in proto.pieces], np.int32)
+        spans = np.asarray([(char_of_byte[p.begin], char_of_byte[p.end]) for p in proto.pieces], np.int64)
+        return ids, spans.reshape(-1, 2)
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         specials = {self.pad_id, self.bos_id, self.eos_id}

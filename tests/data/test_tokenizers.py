@@ -92,3 +92,23 @@ def test_training_cli_writes_a_model(txt_corpus, tmp_path):
     res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     assert os.path.exists(f"{out}.model") and "vocab_size=" in res.stdout
+
+
+def test_spans_for_alignment(spm_tok):
+    """Both tokenizers give character spans that cover the text; aligning them maps every byte to
+    the teacher piece whose surface contains its character."""
+    from icml_jax.data import alignment
+    text = "  Thou art more lovely, héllo wörld; and more temperate"
+    ids, spans = ByteTokenizer().encode_with_spans(text)
+    assert ids.tolist() == ByteTokenizer().encode(text) and spans[-1, 1] == len(text)
+    t_ids, t_spans = spm_tok.encode_with_spans(text)
+    assert t_ids.tolist() == spm_tok.encode(text)
+    assert (t_spans[:, 0] <= t_spans[:, 1]).all() and (np.diff(t_spans[:, 0]) >= 0).all()
+    start, end, mapped = alignment.align(spans, t_spans)
+    covered = np.zeros(len(text), bool)
+    for a, b in t_spans:
+        covered[a:b] = True
+    assert (mapped == covered[spans[:, 0]]).all()  # a byte is mapped iff a piece's surface covers it
+    for i in np.nonzero(mapped)[0]:
+        a, b = spans[i]
+        assert all(t_spans[j, 0] < b and t_spans[j, 1] > a for j in range(start[i], end[i] + 1))
