@@ -139,6 +139,14 @@ def pm(mean: float, spread: float, nd: int = 3, na: str = "n/a") -> str:
     return f"{mean:.{nd}f} ± {spread:.{nd}f}"
 
 
+def gate_lines(gates: Mapping[str, bool], on_fail: str | None = None) -> list[str]:
+    """results.md lines: "Gates: name: pass; ...", then ``on_fail`` in bold when a gate failed."""
+    out = ["Gates: " + "; ".join(f"{k}: {'pass' if v else 'FAIL'}" for k, v in gates.items()) + ".", ""]
+    if on_fail and not all(gates.values()):
+        out += [f"**{on_fail}**", ""]
+    return out
+
+
 def markdown_table(header: Sequence[str], rows: Iterable[Sequence]) -> str:
     """A GitHub-style Markdown table; floats get 4 significant digits."""
     def fmt(v):

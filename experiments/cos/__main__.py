@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from experiments.common import (git_commit, markdown_table, mean_spread, pm, preset, record,
+from experiments.common import (gate_lines, git_commit, markdown_table, mean_spread, pm, preset, record,
                                 run_overrides, save_figure, start, train_run, write_atomic,
                                 write_csv, write_json)
 
@@ -152,7 +152,7 @@ def markdown(exp, meta, rows, gates):
         f"b {meta['cost']['b'] * 1e3:.2f} ms (ratio {meta['cost']['b'] / meta['cost']['a']:.2f}). "
         f"{len(PROMPTS[:exp.prompts])} prompts × {exp.new_tokens} new tokens; T = 1 over seeds {list(exp.seeds)}; "
         f"gamma = {exp.gamma}; `we` weight {exp.we_weight} on the proposer, `cd` alpha {exp.cd_alpha}.", "",
-        "Gates: " + "; ".join(f"{k}: {'pass' if v else 'FAIL'}" for k, v in gates.items()) + ".", "",
+        *gate_lines(gates),
         markdown_table(["combiner", "T", "method", "cost per token (a-calls) ± se", "b calls per token ± se",
                         "drafts accepted", "tokens/s ± se", "tokens/s vs standard", "same tokens as standard"],
                        table), "",

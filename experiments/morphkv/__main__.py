@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from experiments.common import (git_commit, markdown_table, mean_spread, pm, preset, record, run_overrides,
+from experiments.common import (gate_lines, git_commit, markdown_table, mean_spread, pm, preset, record, run_overrides,
                                 save_figure, start, train_run, write_atomic, write_csv, write_json)
 
 OPEN, CLOSE, QUERY = "\x02", "\x03", "\x1e"
@@ -217,10 +217,9 @@ def markdown(exp, meta, rows, gates):
         f"({meta['prompt_len']} tokens), response = the remaining {exp.seq_len - meta['prompt_len']} tokens. "
         f"Window W = {exp.window} (H2O, SnapKV's observation window, MorphKV), StreamingLLM sinks = {exp.sinks}. "
         f"Seeds {list(exp.seeds)}; ± = standard error over seeds.", "",
-        "Gates: " + "; ".join(f"{k}: {'pass' if v else 'FAIL'}" for k, v in gates.items()) + ".", "",
-        *([] if all(gates.values()) else [
-            "**A gate failed: the model does not recall reliably even with the full cache, so the policy "
-            "comparison below cannot show the paper's effect; read it as a record of this run only.**", ""]),
+        *gate_lines(gates, "A gate failed: the model does not recall reliably even with the full cache, so the "
+                           "policy comparison below cannot show the paper's effect; read it as a record of this "
+                           "run only."),
         markdown_table(["policy", "slots N", "peak KV slots", "KV KiB / sequence", "recall ± se",
                         "NLL gap to full (nats/token) ± se", "decode tokens/s"], table), "",
         "Recall = argmax accuracy at the answer positions (chance 1/26); NLL gap = mean per-token NLL on the "

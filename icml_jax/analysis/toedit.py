@@ -90,18 +90,19 @@ def _editor(model_cfg, cfg: ToEditConfig, banned_ids: tuple):
 
 
 def make_editor(model, cfg: ToEditConfig, banned_ids=()):
-    """A jitted ``edit(params, inputs [B, T], targets [B, T], valid [B, T] bool, key)`` ->
-    (new targets, resampled, dropped) for the decoder ``model``; invalid (padding) positions keep
-    their target and are never resampled or dropped."""
+    """A jitted ``edit(params, inputs [B, T], targets [B, T], real [B, T] bool, valid [B, T] bool,
+    key)`` -> (new targets, resampled, dropped) for the decoder ``model``. ``real`` marks the input
+    tokens (the rest is padding, segment 0); ``valid`` the targets that may be edited: the others
+    keep their token and are never resampled or dropped."""
     import jax  # pylint: disable=g-import-not-at-top
     import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
     banned = tuple(int(i) for i in banned_ids)
 
     @jax.jit
-    def edit(params, inputs_BT, targets_BT, valid_BT, key):
+    def edit(params, inputs_BT, targets_BT, real_BT, valid_BT, key):
         B, T = inputs_BT.shape
         pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        logits = model.apply({"params": params}, inputs_BT, pos, valid_BT.astype(jnp.int32))
+        logits = model.apply({"params": params}, inputs_BT, pos, real_BT.astype(jnp.int32))
         new, hit, prob = edit_targets(logits, targets_BT, key, cfg, banned)
         hit = hit & valid_BT
         drop = (prob < cfg.drop_below) & valid_BT & ~hit
@@ -118,7 +119,7 @@ def banned_for(tokenizer, vocab_size: int) -> list[int]:
 def edit_corpus(model_cfg, params, corpus, key, cfg: ToEditConfig, banned_ids=(), batch_size: int = 16):
     """Edits every chunk of a ``pipeline.TokenizedCorpus`` in fixed-shape batches (one compiled
     program). Returns (tokens [N] with the edits, resampled [N] bool, dropped [N] bool) aligned with
-    ``corpus.tokens``; each document's first token (its BOS) is never scored."""
+    ``corpus.tokens``; each document's BOS and EOS are never scored (``scored_mask``)."""
     import jax  # pylint: disable=g-import-not-at-top
 
     import ml_collections  # pylint: disable=g-import-not-at-top
@@ -134,13 +135,14 @@ def edit_corpus(model_cfg, params, corpus, key, cfg: ToEditConfig, banned_ids=()
         idx = list(range(b0, min(b0 + batch_size, C)))
         inp = np.zeros((batch_size, T), np.int32)
         tgt = np.zeros((batch_size, T), np.int32)
+        real = np.zeros((batch_size, T), bool)
         valid = np.zeros((batch_size, T), bool)
         for r, c in enumerate(idx):
             piece = corpus.tokens[corpus.chunk_starts[c]:corpus.chunk_ends[c]]
             n = len(piece) - 1
-            inp[r, :n], tgt[r, :n] = piece[:-1], piece[1:]
+            inp[r, :n], tgt[r, :n], real[r, :n] = piece[:-1], piece[1:], True
             valid[r, :n] = scored_N[corpus.chunk_starts[c] + 1:corpus.chunk_ends[c]]
-        new, hit, drop = (np.asarray(x) for x in edit(params, inp, tgt, valid, jax.random.fold_in(key, b0)))
+        new, hit, drop = (np.asarray(x) for x in edit(params, inp, tgt, real, valid, jax.random.fold_in(key, b0)))
         for r, c in enumerate(idx):  # targets are the tokens after each chunk's first
             s, e = corpus.chunk_starts[c] + 1, corpus.chunk_ends[c]
             out[s:e], hit_N[s:e], drop_N[s:e] = new[r, :e - s], hit[r, :e - s], drop[r, :e - s]

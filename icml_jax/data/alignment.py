@@ -27,13 +27,18 @@ def align(student_spans, teacher_spans):
     return start.astype(np.int32), end.astype(np.int32), mapped
 
 
+def char_of_byte(text: str) -> np.ndarray:
+    """[num_utf8_bytes + 1] int64: the index of the character each UTF-8 byte of ``text`` belongs
+    to, and len(text) for the end offset (a byte that is not a continuation byte starts a character)."""
+    b = np.frombuffer(text.encode("utf-8"), np.uint8)
+    return np.append(np.cumsum((b & 0xC0) != 0x80) - 1, len(text)).astype(np.int64)
+
+
 def byte_char_spans(text: str) -> np.ndarray:
     """Character spans [num_utf8_bytes, 2] of byte-level tokens: every byte of a multi-byte
     character covers that whole character."""
-    spans = []
-    for k, ch in enumerate(text):
-        spans += [(k, k + 1)] * len(ch.encode("utf-8"))
-    return np.asarray(spans, np.int64).reshape(-1, 2)
+    c = char_of_byte(text)[:-1]
+    return np.stack([c, c + 1], 1)
 
 
 def windows(start, end, mapped, span_pad: int):

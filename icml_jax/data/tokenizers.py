@@ -103,17 +103,11 @@ class SentencePieceTokenizer:
         """(ids [N], character spans [N, 2] into ``text``) from SentencePiece's piece offsets (byte
         offsets of the surface, converted to characters); a piece with no surface (a lone "▁"
         before a word) has an empty span."""
+        from icml_jax.data.alignment import char_of_byte  # pylint: disable=g-import-not-at-top
         proto = self._sp.encode(text, return_type="proto")
-        char_of_byte = np.zeros(len(text.encode("utf-8")) + 1, np.int64)
-        pos = 0
-        for k, ch in enumerate(text):
-            n = len(ch.encode("utf-8"))
-            char_of_byte[pos:pos + n] = k
-            pos += n
-        char_of_byte[pos] = len(text)
         ids = np.asarray([p.id for p in proto.pieces], np.int32)
-        spans = np.asarray([(char_of_byte[p.begin], char_of_byte[p.end]) for p in proto.pieces], np.int64)
-        return ids, spans.reshape(-1, 2)
+        offsets = np.asarray([(p.begin, p.end) for p in proto.pieces], np.int64).reshape(-1, 2)
+        return ids, char_of_byte(text)[offsets]
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         specials = {self.pad_id, self.bos_id, self.eos_id}
