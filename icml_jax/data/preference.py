@@ -224,20 +224,11 @@ def _read_file(path: str, check, what: str, fields: tuple) -> list[dict[str, Any
 def _check_unpaired(row: Any, where: str) -> dict[str, Any]:
     _require_fields(row, where, ("prompt", "completion", "label"),
                     "'prompt' and 'completion' strings and a boolean (or 0/1) 'label'")
-    for field in ("prompt", "completion"):
-        if not isinstance(row[field], str):
-            raise PreferenceDataError(f"{where}: field {field!r} must be a string, got "
-                                      f"{_describe(row[field])}; store the text as a JSON string.")
-    if not row["completion"]:
-        raise PreferenceDataError(f"{where}: field 'completion' is empty; every completion needs "
-                                  "at least one character.")
     label = row["label"]
     if not (isinstance(label, bool) or (isinstance(label, int) and label in (0, 1))):
         raise PreferenceDataError(f"{where}: field 'label' must be true/false (or 1/0), got "
                                   f"{label!r}.")
-    out = {"prompt": row["prompt"], "completion": row["completion"], "label": bool(label)}
-    out.update({k: v for k, v in row.items() if k not in out and isinstance(v, _SCALARS)})
-    return out
+    return _check_completion({**row, "label": bool(label)}, where)
 
 
 def read_unpaired_jsonl(path: str) -> list[dict[str, Any]]:
@@ -245,6 +236,30 @@ def read_unpaired_jsonl(path: str) -> list[dict[str, Any]]:
     "label": bool}`` object per line (label = the completion is desirable / correct); other
     scalar fields are kept. Errors as ``read_preference_jsonl``'s (``path:line: ...``)."""
     return _read_file(path, _check_unpaired, "labelled-completion", ("prompt", "completion", "label"))
+
+
+def _check_completion(row: Any, where: str) -> dict[str, Any]:
+    """A prompt-completion row (other scalar fields kept, a ``label`` first when present)."""
+    _require_fields(row, where, ("prompt", "completion"), "'prompt' and 'completion' strings")
+    for field in ("prompt", "completion"):
+        if not isinstance(row[field], str):
+            raise PreferenceDataError(f"{where}: field {field!r} must be a string, got "
+                                      f"{_describe(row[field])}; store the text as a JSON string.")
+    if not row["completion"]:
+        raise PreferenceDataError(f"{where}: field 'completion' is empty; every completion needs "
+                                  "at least one character.")
+    out = {"prompt": row["prompt"], "completion": row["completion"]}
+    if "label" in row:
+        out["label"] = row["label"]
+    out.update({k: v for k, v in row.items() if k not in out and isinstance(v, _SCALARS)})
+    return out
+
+
+def read_completion_jsonl(path: str) -> list[dict[str, Any]]:
+    """Reads TRL's prompt-completion (SFT) format: one ``{"prompt": str, "completion": str}``
+    object per line; other scalar fields (e.g. a ``domain`` tag) are kept. Errors as
+    ``read_preference_jsonl``'s (``path:line: ...``)."""
+    return _read_file(path, _check_completion, "prompt-completion", ("prompt", "completion"))
 
 
 def _check_stepwise(row: Any, where: str) -> dict[str, Any]:
@@ -564,6 +579,76 @@ def pair_train_iterator(arrays: Mapping[str, np.ndarray], global_batch_size: int
     ds = grain.MapDataset.source(_RowSource(arrays)).shuffle(seed=int(seed)).repeat(None)
     ds = ds.batch(global_batch_size, drop_remainder=True).map(_SliceAndWeigh(start, size))
     return iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)))
+
+
+class SubsetIterator:
+    """Endless shuffled global batches of the rows of ``arrays`` restricted to a selection (all
+    rows until ``select`` is called): EVIC's sampler (``icml_jax/train/evic.py``).
+
+    Selection round r draws epochs e = 0, 1, ... each a permutation of the selected rows seeded by
+    (seed, r, e), concatenated and cut into global batches of ``global_batch_size`` rows (a batch
+    may straddle two epochs); every process keeps rows ``[p * B, (p + 1) * B)`` as in
+    ``pair_train_iterator``. ``get_state`` is JSON (round, rows drawn in it, the selection as
+    hex-packed bits), so a checkpoint resumes mid-round exactly. Batches: every key of ``arrays``
+    as [B, ...] plus ``weight`` float32 [B] of ones."""
+
+    def __init__(self, arrays: Mapping[str, np.ndarray], global_batch_size: int, seed: int, *,
+                 process_index: int | None = None, process_count: int | None = None):
+        self.start, self.size = _process_slice(global_batch_size, process_index, process_count)
+        self.n = _num_rows(arrays)
+        self.arrays = {k: np.asarray(v) for k, v in arrays.items()}
+        self.batch, self.seed = int(global_batch_size), int(seed)
+        self._set(np.ones(self.n, bool), 0, 0)
+
+    def _set(self, mask: np.ndarray, round_id: int, drawn: int) -> None:
+        self.mask, self.round, self.drawn = mask, int(round_id), int(drawn)
+        self._rows, self._epoch, self._order = np.flatnonzero(mask), -1, None
+
+    @property
+    def selection(self) -> np.ndarray:
+        return self.mask.copy()
+
+    def select(self, mask, round_id: int) -> None:
+        """Draws from the rows where ``mask`` (bool [N], >= 1 set) holds, starting round
+        ``round_id`` (its own shuffles) at its first row."""
+        mask = np.asarray(mask, bool)
+        if mask.shape != (self.n,) or not mask.any():
+            raise ValueError(f"a selection must be a bool [{self.n}] mask with at least one row "
+                             f"set, got shape {mask.shape} with {int(mask.sum())} set")
+        self._set(mask.copy(), round_id, 0)
+
+    def _epoch_order(self, epoch: int) -> np.ndarray:
+        if epoch != self._epoch:
+            rng = np.random.default_rng([self.seed, self.round, epoch])
+            self._order, self._epoch = self._rows[rng.permutation(len(self._rows))], epoch
+        return self._order
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        m = len(self._rows)
+        picks = np.empty(self.batch, np.int64)
+        for i in range(self.batch):
+            k = self.drawn + i
+            picks[i] = self._epoch_order(k // m)[k % m]
+        self.drawn += self.batch
+        rows = picks[self.start:self.start + self.size]
+        out = {k: v[rows] for k, v in self.arrays.items()}
+        out["weight"] = np.ones((self.size,), np.float32)
+        return out
+
+    def get_state(self) -> dict:
+        return {"round": self.round, "drawn": self.drawn,
+                "selection": np.packbits(self.mask).tobytes().hex(), "rows": self.n}
+
+    def set_state(self, state: dict) -> None:
+        if not isinstance(state, dict) or state.get("rows") != self.n or "selection" not in state:
+            raise ValueError(f"the saved data state is not a selection over {self.n} rows (it was "
+                             "written for other data or another config.task); resume with the "
+                             "same data file and task")
+        bits = np.frombuffer(bytes.fromhex(state["selection"]), np.uint8)
+        self._set(np.unpackbits(bits)[:self.n].astype(bool), state["round"], state["drawn"])
 
 
 def eval_batches(arrays: Mapping[str, np.ndarray], batch_size: int, *, max_batches: int = 0,

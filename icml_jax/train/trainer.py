@@ -32,6 +32,7 @@ from icml_jax.models import contract as model_contract
 from icml_jax.train import checkpoint as ckpt_lib
 from icml_jax.train import missing_checkpoints
 from icml_jax.train import distributed
+from icml_jax.train import evic as evic_lib
 from icml_jax.train import workdir as workdir_lib
 from icml_jax.train.metrics import MetricsWriter, plot_loss_curve, write_json
 from icml_jax.train.optimizer import lr_schedule, make_optimizer
@@ -115,6 +116,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> tupl
         raise ValueError(f"config.model.num_heads={m.num_heads} is not a multiple of "
                          f"config.model.num_kv_heads={m.num_kv_heads}")
     model_contract.validate(m)  # the residual stream's and position embedding's own checks
+    evic_lib.settings(config)  # config.evic's own checks (when enabled)
     if m.num_kv_heads % shape[2]:
         raise ValueError(f"config.mesh.tensor={shape[2]} does not divide config.model.num_kv_heads="
                          f"{m.num_kv_heads}: tensor parallelism splits the KV heads; pick a tensor "
@@ -291,6 +293,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> tuple[TrainState, 
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         raise ValueError(f"the workdir {workdir} is a file, not a folder; pass another --workdir")
     task = build_task(config, shape)
+    evic_lib.check_task(config, task)
     try:
         os.makedirs(workdir, exist_ok=True)
     except OSError as e:
@@ -450,6 +453,9 @@ def _train(config, workdir: str, task, shape, stop: _StopOnSignal) -> tuple[Trai
     # this process feeds its rows of every global batch: those its devices hold
     shard = distributed.process_rows(batch_sharding, t.batch_size)
     data_iter = task.train_iterator(seed=config.seed, shard=shard)
+    evic_opts = evic_lib.settings(config)
+    refresh = None if evic_opts is None else evic_lib.Refresher(
+        evic_opts, config, task, data_iter, abstract, workdir)
     ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=t.keep_checkpoints,
                                  async_save=t.async_checkpoint,
                                  checksums=t.checkpoint_checksums)
@@ -546,6 +552,9 @@ def _train(config, workdir: str, task, shape, stop: _StopOnSignal) -> tuple[Trai
             if stop.requested(step, t.log_every):
                 stop_here(step)
             ckpt.poll()
+            if refresh is not None and refresh.due(step):  # EVIC: re-select before this update
+                with mesh, nn.logical_axis_rules(rules):
+                    writer.write(step, refresh(step, state))
             batch = to_global(next(data_iter))
             state, metrics = train_step(state, batch)
             s = step + 1
