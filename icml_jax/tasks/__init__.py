@@ -16,3 +16,4 @@ from icml_jax.tasks import implicit_prm, preference, reward_model  # noqa: E402,
 from icml_jax.tasks import pr_lm  # noqa: E402,F401  (registers "pr_lm")
 from icml_jax.tasks import step_prm  # noqa: E402,F401  (registers "step_prm")
 from icml_jax.tasks import sft  # noqa: E402,F401  (registers "sft")
+from icml_jax.tasks import vocagnolm  # noqa: E402,F401  (registers "vocagnolm")

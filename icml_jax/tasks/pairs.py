@@ -46,7 +46,28 @@ def response_logps_fn(model):
         b["inputs"], b["response_mask"]))
 
 
-class PairTask(Task):
+class RowsTask(Task):
+    """A task whose data are fixed-shape example rows, dicts of arrays ``self.train_arrays`` and
+    ``self.eval_arrays`` with a common leading axis, fed by ``pair_train_iterator`` (shuffled,
+    exact resume) and ``eval_batches`` (in order, padding rows of weight 0)."""
+
+    train_arrays: dict
+    eval_arrays: dict
+
+    def train_iterator(self, seed: int, shard=None):
+        """``shard`` = (index, count) as in ``LMTask.train_iterator``."""
+        index, count = shard if shard is not None else (None, None)
+        return pref_data.pair_train_iterator(self.train_arrays, self.config.train.batch_size, seed,
+                                             process_index=index, process_count=count)
+
+    def eval_batches(self, split: str = "validation", shard=None):
+        t = self.config.train
+        index, count = shard if shard is not None else (None, None)
+        return pref_data.eval_batches(self.eval_arrays, t.batch_size, max_batches=t.eval_batches,
+                                      process_index=index, process_count=count)
+
+
+class PairTask(RowsTask):
     """Reads ``config.data.path`` (training pairs) and ``config.data.eval_path`` (validation
     pairs; "" = the first ``eval_batches * batch_size`` training pairs) once, tokenised."""
 
@@ -164,18 +185,6 @@ class PairTask(Task):
         for name, arrays in splits.items():
             arrays[key] = cached[name]
         self.cached.append(key)
-
-    def train_iterator(self, seed: int, shard=None):
-        """``shard`` = (index, count) as in ``LMTask.train_iterator``."""
-        index, count = shard if shard is not None else (None, None)
-        return pref_data.pair_train_iterator(self.train_arrays, self.config.train.batch_size, seed,
-                                             process_index=index, process_count=count)
-
-    def eval_batches(self, split: str = "validation", shard=None):
-        t = self.config.train
-        index, count = shard if shard is not None else (None, None)
-        return pref_data.eval_batches(self.eval_arrays, t.batch_size, max_batches=t.eval_batches,
-                                      process_index=index, process_count=count)
 
 
 _SCORED_KEYS = ("inputs", "positions", "segment_ids", "response_mask")
