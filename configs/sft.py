@@ -19,7 +19,8 @@ The experiment: python -m experiments.evic --workdir=runs/evic [--preset=tiny|de
   select         positive (I_j > 0) | top (the top_fraction largest I_j) [evic_select]
   top_fraction   0.5
   seed           0       the sketch's random matrix
-  save_matrix_max 2048   pools up to this size also save Int in WORKDIR/evic/round_*.npz
+  save_matrix_max 2048   Int among the pool's first rows, up to this many, goes to
+                         WORKDIR/evic/round_*.npz (I_j always covers the whole pool)
 """
 import ml_collections
 

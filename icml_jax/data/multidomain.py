@@ -1,14 +1,16 @@
-"""Three small synthetic SFT domains with injected conflicting samples (EVIC's testbed,
-docs/methods/evic.md): multi-digit addition, string reversal and key-value lookup, written as
-prompt-completion rows for the ``sft`` task.
+"""Small synthetic SFT domains with injected conflicting samples (EVIC's testbed,
+docs/methods/evic.md): multi-digit addition, string reversal, key-value lookup and a formatting
+task, written as prompt-completion rows for the ``sft`` task.
 
   add   "add 37+85="          -> "122"
   rev   "rev kqzta="          -> "atzqk"
   kv    "kv a3 f8 m1 ?f="     -> "8"
+  up    "up kqzta="           -> "KQZTA"
 
 A corrupted row keeps its prompt and gets a conflicting completion: addition a wrong sum (off by
-1..9 or with two digits swapped), reversal the string copied unreversed (the format of another
-task), lookup the value of another key. Rows carry ``domain`` and ``corrupt`` fields.
+1..9), reversal the string copied unreversed, lookup the value of another key, formatting the
+string copied in lower case (both copies: the format of another task). Rows carry ``domain`` and
+``corrupt`` fields.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import string
 
 import numpy as np
 
-DOMAINS = ("add", "rev", "kv")
+DOMAINS = ("add", "rev", "kv", "up")
 _LETTERS = np.array(list(string.ascii_lowercase))
 
 
@@ -48,15 +50,20 @@ def _kv(rng, corrupt: bool, pairs: int) -> tuple[str, str]:
     return f"kv {body} ?{keys[q]}=", str(ans)
 
 
-_MAKERS = {"add": _add, "rev": _rev, "kv": _kv}
-_SIZE = {"add": 2, "rev": 5, "kv": 3}
+def _up(rng, corrupt: bool, length: int) -> tuple[str, str]:
+    s = "".join(rng.choice(_LETTERS, length))
+    return f"up {s}=", s if corrupt else s.upper()
+
+
+_MAKERS = {"add": _add, "rev": _rev, "kv": _kv, "up": _up}
+_SIZE = {"add": 2, "rev": 5, "kv": 3, "up": 5}
 
 
 def make_rows(n_per_domain: int, seed: int, *, corrupt_frac: float = 0.0,
-              domains=DOMAINS, sizes: dict | None = None) -> list[dict]:
+              domains=("add", "rev", "kv"), sizes: dict | None = None) -> list[dict]:
     """``n_per_domain`` rows of each domain (interleaved), a ``corrupt_frac`` share of each
     domain's rows (exactly round(frac * n)) corrupted; ``sizes``: digits / string length /
-    pairs per domain. Rows: prompt, completion, domain, corrupt."""
+    pairs / string length per domain. Rows: prompt, completion, domain, corrupt."""
     if not 0 <= corrupt_frac < 1:
         raise ValueError(f"corrupt_frac must be in [0, 1), got {corrupt_frac}")
     unknown = set(domains) - set(_MAKERS)
@@ -84,6 +91,8 @@ def is_correct(row: dict, completion: str) -> bool:
         return completion == str(int(a) + int(b))
     if row["domain"] == "rev":
         return completion == p[4:-1][::-1]
+    if row["domain"] == "up":
+        return completion == p[3:-1].upper()
     body, q = p[3:-1].split(" ?")
     table = {item[0]: item[1:] for item in body.split()}
     return completion == table[q]

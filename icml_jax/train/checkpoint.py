@@ -307,8 +307,9 @@ def _positions_differ(states):
         "batch size, streams and seed)")
 
 
-def restore_params(workdir: str, abstract_params, ignore=()):
-    """Only the params of the newest readable step of a training workdir -> (params, step).
+def restore_params(workdir: str, abstract_params, ignore=(), step: int | None = None):
+    """Only the params of the newest readable step of a training workdir -> (params, step);
+    with ``step``, that step's (CheckpointError when it was not kept or cannot be read).
 
     ``abstract_params`` is a pytree of ``jax.ShapeDtypeStruct`` with shardings (the layout to
     restore into: any mesh or device count, whatever the run that wrote it used). The rest of the
@@ -328,6 +329,12 @@ def restore_params(workdir: str, abstract_params, ignore=()):
     if not steps:
         raise CheckpointError(f"{directory} holds no finished checkpoint step; train longer (steps >= "
                               "config.train.checkpoint_every, or to the end of the run)")
+    if step is not None:
+        if step not in steps:
+            raise CheckpointError(f"{directory} holds no checkpoint of step {step} (it has "
+                                  f"{steps}); pick one of those, or keep more with "
+                                  "config.train.keep_checkpoints / checkpoint_steps")
+        steps = [step]
     target = {"params": abstract_params}
     errors = []
     for step in reversed(steps):
@@ -368,16 +375,16 @@ def _saved_task(step_dir: str) -> str | None:
         return None
 
 
-def restore_model_params(workdir: str, model_cfg):
+def restore_model_params(workdir: str, model_cfg, step: int | None = None):
     """``restore_params`` for a decoder of ``model_cfg`` (e.g. an SFT or DPO policy) onto this
-    process's first device -> (params, step)."""
+    process's first device -> (params, step); ``step``: that step's, else the newest."""
     from icml_jax.models.decoder import build_model  # pylint: disable=g-import-not-at-top
 
     tokens = jax.numpy.zeros((1, 8), jax.numpy.int32)
-    return restore_module_params(workdir, build_model(model_cfg), tokens)
+    return restore_module_params(workdir, build_model(model_cfg), tokens, step=step)
 
 
-def restore_module_params(workdir: str, module, *example_args):
+def restore_module_params(workdir: str, module, *example_args, step: int | None = None):
     """``restore_params`` for the params of the flax ``module`` (their layout: what
     ``module.init(key, *example_args)`` makes; e.g. a ``StepClassifier`` or ``RewardModel``) onto
     this process's first device -> (params, step)."""
@@ -388,4 +395,4 @@ def restore_module_params(workdir: str, module, *example_args):
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
                             abstract)
-    return restore_params(workdir, abstract)
+    return restore_params(workdir, abstract, step=step)

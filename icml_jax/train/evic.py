@@ -16,9 +16,10 @@ any pool size. Sketches (``proj``):
   none         no projection: the features are the flattened gradients (exact; N * P floats);
   rademacher   a dense P x k matrix of +-1/sqrt(k) (the spec's JL sketch; materialised, so only
                for small P * k);
-  countsketch  a sparse JL sketch: parameter p goes to one of k buckets with a random sign
-               (E[Pi Pi^T] = I, the same inner-product guarantee in expectation, O(P) per example
-               instead of O(P k)); the default, usable at any model size.
+  countsketch  a sparse JL sketch: each parameter goes to one of k buckets (a random balanced
+               assignment) with a random sign (E[Pi Pi^T] = I, the same inner-product guarantee
+               in expectation, O(P) per example instead of O(P k)); the default, usable at any
+               model size.
 Both random sketches use one fixed matrix for g and Gamma(g) and preserve inner products in
 expectation.
 """
@@ -74,21 +75,23 @@ class Sketch:
     docstring); ``kind="none"`` keeps the flattened vector."""
     kind: str
     dim: int
-    tables: tuple  # per leaf: (bucket int32 [P_l], sign float32 [P_l]) or dense [P_l, dim]
+    tables: tuple  # rademacher: per leaf a dense [P_l, dim]; countsketch: (perm [P], sign [P])
 
     def __call__(self, tree_c) -> jax.Array:
         """Leaves with a leading example axis c -> float32 [c, dim] (or [c, P] for ``none``)."""
         leaves = [x.reshape(x.shape[0], -1).astype(jnp.float32) for x in jax.tree.leaves(tree_c)]
+        if self.kind == "rademacher":
+            return sum(x @ table for x, table in zip(leaves, self.tables))
+        flat = jnp.concatenate(leaves, axis=1)
         if self.kind == "none":
-            return jnp.concatenate(leaves, axis=1)
-        out = jnp.zeros((leaves[0].shape[0], self.dim), jnp.float32)
-        for x, table in zip(leaves, self.tables):
-            if self.kind == "rademacher":
-                out = out + x @ table
-            else:
-                bucket, sign = table
-                out = out.at[:, bucket].add(x * sign[None])
-        return out
+            return flat
+        # countsketch as permute, sign and fold: coordinate perm[q] lands in bucket q % dim, so
+        # every bucket sums about P / dim randomly chosen, randomly signed coordinates (a gather
+        # and a reshape; a scatter-add is far slower on CPU)
+        perm, sign = self.tables
+        x = jnp.take(flat, perm, axis=1) * sign[None]
+        x = jnp.pad(x, ((0, 0), (0, -x.shape[1] % self.dim)))
+        return x.reshape(x.shape[0], -1, self.dim).sum(1)
 
 
 def make_sketch(params, kind: str = "countsketch", dim: int = 4096, seed: int = 0) -> Sketch:
@@ -96,25 +99,23 @@ def make_sketch(params, kind: str = "countsketch", dim: int = 4096, seed: int = 
     if kind not in PROJS:
         raise ValueError(f"config.evic.proj must be one of {PROJS}, got {kind!r}")
     sizes = [int(np.prod(x.shape)) for x in jax.tree.leaves(params)]
+    total = sum(sizes)
     if kind == "none":
-        return Sketch("none", sum(sizes), ())
+        return Sketch("none", total, ())
     if dim < 1:
         raise ValueError(f"config.evic.proj_dim must be >= 1, got {dim}")
-    if kind == "rademacher" and sum(sizes) * dim > _DENSE_LIMIT:
+    rng = np.random.default_rng(seed)
+    signs = np.array([-1.0, 1.0], np.float32)
+    if kind == "countsketch":
+        return Sketch(kind, dim, (jnp.asarray(rng.permutation(total).astype(np.int32)),
+                                  jnp.asarray(rng.choice(signs, total))))
+    if total * dim > _DENSE_LIMIT:
         raise ValueError(
-            f"config.evic.proj='rademacher' would materialise a {sum(sizes):,} x {dim} matrix "
+            f"config.evic.proj='rademacher' would materialise a {total:,} x {dim} matrix "
             f"(> {_DENSE_LIMIT:,} entries); use config.evic.proj='countsketch' (same expected "
             "inner products, O(P) per example) or a smaller config.evic.proj_dim")
-    rng = np.random.default_rng(seed)
-    tables = []
-    for p in sizes:
-        if kind == "rademacher":
-            tables.append(jnp.asarray(rng.choice(np.array([-1.0, 1.0], np.float32), (p, dim))
-                                      / np.float32(math.sqrt(dim))))
-        else:
-            tables.append((jnp.asarray(rng.integers(0, dim, p, dtype=np.int32)),
-                           jnp.asarray(rng.choice(np.array([-1.0, 1.0], np.float32), p))))
-    return Sketch(kind, dim, tuple(tables))
+    return Sketch(kind, dim, tuple(jnp.asarray(rng.choice(signs, (p, dim)) / np.float32(math.sqrt(dim)))
+                                   for p in sizes))
 
 
 def features(example_loss: Callable, params, examples: dict, sketch: Sketch, *,
@@ -224,8 +225,8 @@ class Refresher:
     function of the checkpointed train state, so a resumed run repeats it exactly.
 
     Each refresh writes ``WORKDIR/evic/round_<step>.npz`` (process 0, atomically): ``mask``,
-    ``influence`` (I_j), ``selected_before`` and, for pools of at most ``save_matrix_max`` rows,
-    ``interactions`` (Int, eta = 1)."""
+    ``influence`` (I_j), ``selected_before`` and ``interactions``: Int (eta = 1) among the first
+    ``save_matrix_max`` rows of the pool (all of it when smaller)."""
 
     def __init__(self, opts: dict, config, task, data_iter, abstract_state, workdir: str):
         check_task(config, task)
@@ -251,7 +252,8 @@ class Refresher:
             a, b = features(task.example_loss, params, pool, sketch, direction=direction,
                             chunk=opts["chunk"])
             total = influence(a, b)
-            mat = interactions(a, b) if self.n <= opts["save_matrix_max"] else jnp.zeros((0, 0))
+            m = min(self.n, opts["save_matrix_max"])  # Int of the first m rows only
+            mat = interactions(a[:m], b[:m])
             return total, mat
 
         self.fn = jax.jit(fn)
