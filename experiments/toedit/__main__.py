@@ -12,7 +12,11 @@ and seed; the seed sets the initialisation and data order) are trained on H, on 
 share of the pieces is replaced by their synthetic twins, on S alone, and on each ToEdit corpus,
 all for the same steps × batch × length (equal token budgets). Measured: NLL in nats per byte on
 held-out human text (pieces of the validation works), distinct-2 of each training corpus and its
-bigram KL to H, the edit rates. Gates: the prior and the H student beat the unigram entropy of H
+bigram KL to H, the edit rates. Iterative chains (the spec's variant: generation n's prior is
+generation n - 1's student, generation 1 = the arms above): the synthetic chain trains generation
+n on S_n, the pieces' prefixes continued by the generation n - 1 student; the edit chain trains it
+on ToEdit(H) at ``chain_edit`` = (p, beta) with the generation n - 1 student as the prior; for
+``generations`` generations and the ``chain_seeds``. Gates: the prior and the H student beat the unigram entropy of H
 on held-out text (they learned beyond letter frequencies), and ToEdit changed >= 1% of the tokens
 at some p. Outputs: DIR/results.csv, DIR/results.md, DIR/nll.png, DIR/config.json.
 """
@@ -35,7 +39,8 @@ PRESETS = {
         student=dict(model=dict(d_model=32, num_layers=1, num_heads=2, num_kv_heads=2, head_dim=16, ffn_dim=64),
                      train=dict(steps=6, batch_size=4, warmup_steps=2, log_every=3, eval_every=6, eval_batches=1,
                                 checkpoint_every=6)),
-        docs=24, piece_len=63, prefix=16, shares=(0.5,), edits=((0.9, 1.0),), seeds=(0,), eval_pieces=8, gate_edit=0.0),
+        docs=24, piece_len=63, prefix=16, shares=(0.5,), edits=((0.9, 1.0),), seeds=(0,), eval_pieces=8, gate_edit=0.0,
+        generations=2, chain_edit=(0.9, 1.0), chain_seeds=(0,)),
     "default": preset(
         prior=dict(model=dict(d_model=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32, ffn_dim=384),
                    train=dict(steps=800, batch_size=16, lr=3e-3, warmup_steps=50, log_every=100, eval_every=400,
@@ -44,9 +49,10 @@ PRESETS = {
                      train=dict(steps=400, batch_size=16, lr=3e-3, warmup_steps=40, log_every=200, eval_every=400,
                                 eval_batches=2, checkpoint_every=400)),
         docs=2000, piece_len=127, prefix=32, shares=(0.25, 0.5, 0.75), edits=((0.99, 1.0), (0.9, 1.0), (0.9, 1.5)), seeds=(0, 1, 2),
-        eval_pieces=256, gate_edit=0.01),
+        eval_pieces=256, gate_edit=0.01, generations=3, chain_edit=(0.9, 1.5), chain_seeds=(0, 1)),
 }
-FIELDS = ("arm", "share", "p", "beta", "seed", "nll", "edit_rate", "changed_rate", "distinct2", "bigram_kl")
+FIELDS = ("arm", "generation", "share", "p", "beta", "seed", "nll", "edit_rate", "changed_rate", "distinct2",
+          "bigram_kl")
 
 
 # ----------------------------------------------------------------------------- corpora
@@ -126,7 +132,47 @@ def run_config(exp, role: str, corpus: str, seed: int, seq_len: int):
 def arms(exp):
     """(name, share of synthetic pieces, ToEdit (p, beta) or None) of every student arm."""
     return ([("human", 0.0, None)] + [(f"mix {s:.0%}", s, None) for s in exp.shares] + [("synthetic", 1.0, None)]
-            + [(f"toedit p={p:g}" + ("" if b == 1 else f" beta={b:g}"), 0.0, (p, b)) for p, b in exp.edits])
+            + [(edit_arm_name(p, b), 0.0, (p, b)) for p, b in exp.edits])
+
+
+def edit_arm_name(p, b) -> str:
+    return f"toedit p={p:g}" + ("" if b == 1 else f" beta={b:g}")
+
+
+def chains(exp, students, student, corpus, human, held, tok, h_counts, wd):
+    """Generations 2 .. ``exp.generations`` of the synthetic and edit chains (rows like the arms')."""
+    import jax
+
+    from icml_jax.analysis import toedit
+    p, b = exp.chain_edit
+    conf = toedit.ToEditConfig(p=p, k=8, beta=b)
+    if (p, b) not in [tuple(e) for e in exp.edits] or not set(exp.chain_seeds) <= set(exp.seeds):
+        raise ValueError(f"chain_edit={exp.chain_edit} must be one of edits={exp.edits} and chain_seeds "
+                         f"{exp.chain_seeds} a subset of seeds {exp.seeds} (generation 1 is those arms)")
+    rows = []
+    for seed in exp.chain_seeds:
+        prev = {"synthetic chain": students[("synthetic", seed)], "toedit chain": students[(edit_arm_name(p, b), seed)]}
+        for gen in range(2, exp.generations + 1):
+            for name, (cfg, params) in list(prev.items()):
+                rate = chg = ""
+                if name == "synthetic chain":
+                    docs = synthesize(cfg.model, params, tok, human, exp.prefix, seed=1000 * gen + seed)
+                else:
+                    out, hit, drop = toedit.edit_corpus(cfg.model, params, corpus, jax.random.key(1000 * gen + seed),
+                                                        conf, toedit.banned_for(tok, cfg.model.vocab_size))
+                    docs = toedit.edited_texts(tok, corpus, out, drop)
+                    st = toedit.edit_stats(corpus, corpus.tokens, out, hit, drop, conf)
+                    rate, chg = st["edit_rate"], st["changed_rate"]
+                path = os.path.join(wd, f"corpus_{name.replace(' ', '_')}_gen{gen}_seed{seed}.jsonl")
+                write_corpus(path, docs)
+                d2, kl, _ = bigram_stats(docs, h_counts)
+                _, cfg2, params2 = student(path, docs, seed)
+                prev[name] = (cfg2, params2)
+                rows.append(dict(arm=name, generation=gen, share="", p=p if rate != "" else "",
+                                 beta=b if rate != "" else "", seed=seed,
+                                 nll=held_out_nll(cfg2.model, params2, tok, held), edit_rate=rate,
+                                 changed_rate=chg, distinct2=d2, bigram_kl=kl))
+    return rows
 
 
 def main(argv=None):
@@ -162,7 +208,15 @@ def main(argv=None):
     _, _, h_counts = bigram_stats(human)
     rng = np.random.default_rng(0)
     order = rng.permutation(exp.docs)  # which pieces a mix takes from S: the first share of this order
-    rows = []
+    rows, students = [], {}
+
+    def student(path, docs, seed):
+        """Trains (or reuses) the student of corpus ``path`` (texts ``docs``) -> (dir, cfg, params)."""
+        cfg = run_config(exp, "student", path, seed, seq_len)
+        sd = os.path.join(wd, "students", f"{os.path.basename(path)[7:-6]}_{digest(docs, 8)}_seed{seed}")
+        train_run(cfg, sd)
+        return sd, cfg, restore_model_params(sd, cfg.model)[0]
+
     for name, share, p in arms(exp):
         if p is not None:
             docs = edited[p]
@@ -173,14 +227,13 @@ def main(argv=None):
         write_corpus(path, docs)
         d2, kl, _ = bigram_stats(docs, h_counts)
         for seed in exp.seeds:
-            cfg = run_config(exp, "student", path, seed, seq_len)
-            sd = os.path.join(wd, "students", f"{os.path.basename(path)[7:-6]}_{digest(docs, 8)}_seed{seed}")
-            train_run(cfg, sd)
-            params = restore_model_params(sd, cfg.model)[0]
-            rows.append(dict(arm=name, share=share, p=p[0] if p else "", beta=p[1] if p else "", seed=seed,
-                             nll=held_out_nll(cfg.model, params, tok, held),
+            sd, cfg, params = student(path, docs, seed)
+            students[(name, seed)] = (cfg, params)
+            rows.append(dict(arm=name, generation=1, share=share, p=p[0] if p else "", beta=p[1] if p else "",
+                             seed=seed, nll=held_out_nll(cfg.model, params, tok, held),
                              edit_rate=rates.get(p, ""), changed_rate=changed.get(p, ""), distinct2=d2,
                              bigram_kl=kl))
+    rows += chains(exp, students, student, corpus, human, held, tok, h_counts, wd)
     freq = np.bincount(np.frombuffer("".join(human).encode(), np.uint8), minlength=256) / len("".join(human))
     unigram = float(-(freq[freq > 0] * np.log(freq[freq > 0])).sum())
     prior_nll = held_out_nll(prior_cfg.model, prior, tok, held)
@@ -254,8 +307,46 @@ def markdown(exp, meta, rows, gates):
         + "; ".join(f"{r['arm'][7:]}: {r['nll'] - h['nll']:+.4f} vs human "
                     f"({(r['nll'] - h['nll']) / max(np.hypot(r['se'], h['se']), 1e-9):+.1f} combined se)"
                     for r in edits)
-        + ". The iterative chains of the spec (generation n's prior = generation n − 1's student) are not run.", ""]
-    return "\n".join(lines)
+        + ".", ""]
+    return "\n".join(lines + chain_lines(exp, rows, h))
+
+
+def chain_table(exp, rows):
+    """{chain name: [(generation, mean NLL, se, mean changed share or None)]}; generation 1 is the
+    synthetic arm / the chain's edit arm, restricted to the chain seeds."""
+    p, b = exp.chain_edit
+    first = {"synthetic chain": "synthetic", "toedit chain": edit_arm_name(p, b)}
+    out = {}
+    for name, gen1 in first.items():
+        out[name] = []
+        for gen in range(1, exp.generations + 1):
+            rs = [r for r in rows if r["seed"] in exp.chain_seeds
+                  and (r["arm"] == gen1 if gen == 1 else (r["arm"] == name and r["generation"] == gen))]
+            m, se, _ = mean_spread([r["nll"] for r in rs])
+            ch = [r["changed_rate"] for r in rs if r["changed_rate"] != ""]
+            out[name].append((gen, m, se, float(np.mean(ch)) if ch else None))
+    return out
+
+
+def chain_lines(exp, rows, h):
+    t = chain_table(exp, rows)
+    p, b = exp.chain_edit
+    table = [[g, pm(sm, sse, nd=4), pm(em, ese, nd=4), f"{ech:.2%}" if ech is not None else "—"]
+             for (g, sm, sse, _), (_, em, ese, ech) in zip(t["synthetic chain"], t["toedit chain"])]
+    syn = [x[1] for x in t["synthetic chain"]]
+    edt = [x[1] for x in t["toedit chain"]]
+    return [
+        f"## Iterative chains (generation n's prior = generation n − 1's student; seeds {list(exp.chain_seeds)})", "",
+        f"Synthetic chain: generation n trains on the human prefixes continued by generation n − 1 at T = 1 "
+        f"(generation 1 = the synthetic arm). Edit chain: generation n trains on ToEdit(H) with p = {p:g}, "
+        f"beta = {b:g}, prior = generation n − 1 (generation 1 = that ToEdit arm). Same token budget per "
+        f"generation; human-trained students: {h['nll']:.4f}.", "",
+        markdown_table(["generation", "synthetic chain NLL ± se", "edit chain NLL ± se", "edit chain changed"], table),
+        "",
+        f"Reading: the synthetic chain goes {' → '.join(f'{x:.4f}' for x in syn)} "
+        f"({'rising every generation' if all(a < c for a, c in zip(syn, syn[1:])) else 'not rising every generation'}, "
+        f"{syn[-1] - syn[0]:+.4f} from generation 1 to {exp.generations}); the edit chain goes "
+        f"{' → '.join(f'{x:.4f}' for x in edt)} ({edt[-1] - edt[0]:+.4f}).", ""]
 
 
 def plot(exp, rows, path):
@@ -264,7 +355,13 @@ def plot(exp, rows, path):
     import matplotlib.pyplot as plt
     s = summary(exp, rows)
     mixes = [r for r in s if r["p"] is None]
-    fig, ax = plt.subplots(figsize=(6, 3.8))
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 3.8))
+    for name, pts in chain_table(exp, rows).items():
+        ax2.errorbar([x[0] for x in pts], [x[1] for x in pts], [x[2] for x in pts], fmt="o-", label=name)
+    ax2.axhline(next(r["nll"] for r in s if r["arm"] == "human"), color="gray", ls="--", label="human")
+    ax2.set_xlabel("generation")
+    ax2.set_ylabel("held-out human NLL (nats/byte)")
+    ax2.legend(fontsize=8)
     ax.errorbar([r["share"] for r in mixes], [r["nll"] for r in mixes], [r["se"] for r in mixes], fmt="o-",
                 label="human + synthetic mix")
     for r in s:

@@ -16,7 +16,10 @@ def test_toedit_tiny_outputs(tmp_path, monkeypatch):
     for name in ("results.csv", "results.md", "nll.png", "config.json"):
         assert os.path.getsize(os.path.join(wd, name)) > 0, name
     rows = list(csv.DictReader(open(os.path.join(wd, "results.csv"))))
-    assert len(rows) == len(arms(exp)) * len(exp.seeds)
+    chain = [r for r in rows if r["arm"].endswith("chain")]
+    assert len(rows) - len(chain) == len(arms(exp)) * len(exp.seeds)
+    assert len(chain) == 2 * (exp.generations - 1) * len(exp.chain_seeds)
+    assert {int(r["generation"]) for r in chain} == set(range(2, exp.generations + 1))
     assert all(float(r["nll"]) > 0 for r in rows)
     # the corpora: the mix replaces exactly its share of pieces, synthetic pieces keep the human
     # prefix and the length, ToEdit keeps the length and changes some pieces
@@ -30,7 +33,8 @@ def test_toedit_tiny_outputs(tmp_path, monkeypatch):
     assert sum(m == s for m, s in zip(mix, synth)) == exp.docs // 2
     assert sum(m == h for m, h in zip(mix, human)) == exp.docs // 2
     edited = read("corpus_toedit_p0.9.jsonl")
-    rate, changed = float(rows[-1]["edit_rate"]), float(rows[-1]["changed_rate"])
+    arm = next(r for r in rows if r["arm"] == "toedit p=0.9")
+    rate, changed = float(arm["edit_rate"]), float(arm["changed_rate"])
     assert 0 <= changed <= rate <= 1 and (changed > 0) == (edited != human)
     assert len(cfg["gates"]) == 3
     assert "Gates:" in open(os.path.join(wd, "results.md")).read()
