@@ -66,6 +66,9 @@ def base_config() -> ml_collections.ConfigDict:
     # decode: > 0 = batch-1 gathered sparse FFN over this many candidate neurons (static; gated
     # MLPs + a sparsity tree only; models/sparse_ffn.py); 0 = off (masked dense MLP)
     c.model.mlp.sparse_capacity = 0
+    # > 0: every attention / MLP projection also has rank-r factors, y = x W + (x A) B (the
+    # sparse + low-rank layers of TLR pruning, models/lowrank.py); standard residual only
+    c.model.lowrank = 0
     c.model.residual = "standard"  # registry icml_jax.models.residual: standard | rmt
     # Residual Matrix Transformer (residual="rmt"; docs/methods/rmt.md). It reuses num_layers (L),
     # num_heads (R, = num_kv_heads), head_dim (Dv), ffn_dim (N_ff), vocab_size; d_model is unused.

@@ -20,6 +20,7 @@ ALLOWED = {
     "analysis": {"models", "losses", "data", "inference"},
     "tasks": {"models", "losses", "data"},
     "interop": {"models", "data"},
+    "compress": {"models", "data", "losses", "analysis", "inference"},
     "train": {"tasks", "models", "losses", "data", "analysis", "inference"},
 }
 ENTRY_POINTS = {"main", "sample", "toedit", "launch_local", "__init__"}  # may import anything

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from icml_jax.models import lowrank
 from icml_jax.models.layers import constrain, get_dtype, param, upcast
 from icml_jax.models.positions import POSITIONS
 
@@ -255,6 +256,7 @@ class Attention(nn.Module):
                                ("kv_heads", None, "head_dim"), pdt)
         self.w_out = param(self, "out", init, (G, R, K, c.d_model),
                            ("kv_heads", None, "head_dim", "embed"), pdt)
+        self.lowrank = lowrank.attention_factors(self, c, G, R, K, pdt)  # None unless TLR
         if self.decode:
             policy = kv_policy_of(c)
             self.kv_cache = (KVCache() if policy is None
@@ -267,8 +269,12 @@ class Attention(nn.Module):
                                self.w_qkv.astype(self.dtype))
         if self.cfg.qkv_bias:
             qkv_BTGCK = qkv_BTGCK + self.b_qkv.astype(self.dtype)
-        q_BTGRK = constrain(qkv_BTGCK[:, :, :, :R], ("batch", "length", "act_kv_heads", None, None))
-        return q_BTGRK, qkv_BTGCK[:, :, :, R], qkv_BTGCK[:, :, :, R + 1]
+        q_BTGRK, k_BTGK, v_BTGK = qkv_BTGCK[:, :, :, :R], qkv_BTGCK[:, :, :, R], qkv_BTGCK[:, :, :, R + 1]
+        if self.lowrank is not None:
+            dq, dk, dv = lowrank.qkv_deltas(self.lowrank, x_BTD.astype(self.dtype))
+            q_BTGRK, k_BTGK, v_BTGK = q_BTGRK + dq, k_BTGK + dk, v_BTGK + dv
+        q_BTGRK = constrain(q_BTGRK, ("batch", "length", "act_kv_heads", None, None))
+        return q_BTGRK, k_BTGK, v_BTGK
 
     def attend(self, q_BTGRK, k_BSGK, v_BSGK, mask_BTS, bias=None, causal_rows=False):
         """Softmax attention in float32 logits; returns [B, T, G, R, K] in the compute dtype.
@@ -298,9 +304,12 @@ class Attention(nn.Module):
                                   (k_BSGK, v_BSGK), (mask_BTS, bias))
 
     def project_out(self, o_BTGRK):
-        return jnp.einsum("BTGRK,GRKD->BTD", o_BTGRK, self.w_out.astype(o_BTGRK.dtype))
+        y_BTD = jnp.einsum("BTGRK,GRKD->BTD", o_BTGRK, self.w_out.astype(o_BTGRK.dtype))
+        return y_BTD if self.lowrank is None else y_BTD + lowrank.out_delta(self.lowrank, o_BTGRK)
 
     def __call__(self, x_BTD, positions_BT, segment_ids_BT):
+        if self.is_mutable_collection("intermediates"):  # analysis only (pruning calibration)
+            self.sow("intermediates", "attn_in", x_BTD)
         q, k, v = self.project_qkv(x_BTD)
         q, k = self.position(q, k, positions_BT, positions_BT)
         if self.decode and isinstance(self.kv_cache, PolicyKVCache):
@@ -314,4 +323,7 @@ class Attention(nn.Module):
         mask = attention_mask(segment_ids_BT, k_seg, q_idx, k_idx, positions_BT, k_pos,
                               self.cfg.sliding_window)
         bias = self.position.bias(positions_BT, k_pos)
-        return self.project_out(self.attend(q, k, v, mask, bias, causal_rows=not self.decode))
+        o = self.attend(q, k, v, mask, bias, causal_rows=not self.decode)
+        if self.is_mutable_collection("intermediates"):
+            self.sow("intermediates", "attn_out_in", o)
+        return self.project_out(o)

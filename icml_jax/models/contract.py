@@ -8,6 +8,7 @@ from typing import Callable, NamedTuple
 import jax
 import ml_collections
 
+from icml_jax.models import lowrank
 from icml_jax.models import rmt as _rmt  # noqa: F401  registers residual="rmt"
 from icml_jax.models.positions import POSITIONS, frozen_param_mask
 from icml_jax.models.residual import RESIDUALS
@@ -27,6 +28,15 @@ def validate(m: ml_collections.ConfigDict) -> None:
     stream = RESIDUALS.get(m.residual)
     if stream.validate is not None:
         stream.validate(m)
+    rank = lowrank.rank_of(m)
+    if rank < 0:
+        raise ValueError(f"config.model.lowrank must be >= 0 (0 = off), got {rank}")
+    if rank and m.residual != "standard":
+        raise ValueError(f"config.model.lowrank={rank} needs config.model.residual='standard' "
+                         f"(got {m.residual!r}); set lowrank=0")
+    if rank and m.mlp.get("sparse_capacity", 0):
+        raise ValueError(f"config.model.lowrank={rank} cannot run with the gathered sparse FFN "
+                         "(config.model.mlp.sparse_capacity > 0); set one of them to 0")
     if stream.reads_position:
         POSITIONS.get(m.position).validate(m)
 

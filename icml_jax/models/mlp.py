@@ -62,6 +62,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from icml_jax.models import sparse_ffn
+from icml_jax.models import lowrank
 from icml_jax.models.layers import constrain, get_dtype, param
 from icml_jax.registry import Registry
 
@@ -132,8 +133,9 @@ class _MLPBase(nn.Module):
         wo = param(self, "wo", self.wo_init or default, (c.ffn_dim, D), ("mlp", "embed"), pdt)
         return wi, wo
 
-    def gate_up_acts(self, x_BTD, wi):
-        """(act(gate), up or None, a), each [B, T, F] in the compute dtype."""
+    def gate_up_acts(self, x_BTD, wi, extra=None):
+        """(act(gate), up or None, a), each [B, T, F] in the compute dtype; ``extra`` [B, T, C, F]
+        is added to the pre-activations (the low-rank factors' share, ``models/lowrank.py``)."""
         raise NotImplementedError
 
     def _gather_capacity(self, x_BTD) -> int:
@@ -174,7 +176,10 @@ class _MLPBase(nn.Module):
         capacity = self._gather_capacity(x_BTD)
         if capacity:
             return self._gathered(x_BTD.astype(dt), w_FD, capacity, dt)
-        gate_BTF, up_BTF, acts_BTF = self.gate_up_acts(x_BTD.astype(dt), wi.astype(dt))
+        factors = lowrank.mlp_factors(self, self.cfg, self.features or self.cfg.d_model, self.gated,
+                                      get_dtype(self.cfg.param_dtype, "config.model.param_dtype"))
+        extra = None if factors is None else lowrank.mlp_in_delta(factors, x_BTD.astype(dt))
+        gate_BTF, up_BTF, acts_BTF = self.gate_up_acts(x_BTD.astype(dt), wi.astype(dt), extra)
         acts_BTF = constrain(acts_BTF, ("batch", "length", "act_mlp"))
         if self.is_mutable_collection("intermediates"):  # analysis only (GLU-only studies)
             self.sow("intermediates", "mlp_in", x_BTD)
@@ -187,6 +192,8 @@ class _MLPBase(nn.Module):
             self.sow("intermediates", "mlp_keep", keep.astype(jnp.float32))
             used_BTF = jnp.where(keep, acts_BTF, jnp.zeros_like(acts_BTF))
         y_BTD = jnp.einsum("BTF,FD->BTD", used_BTF, w_FD.astype(dt))
+        if factors is not None:
+            y_BTD = y_BTD + lowrank.mlp_out_delta(factors, used_BTF)
         return y_BTD, acts_BTF
 
 
@@ -195,8 +202,10 @@ class GatedMLP(_MLPBase):
     gated = True
     gate_fn = staticmethod(jax.nn.silu)
 
-    def gate_up_acts(self, x_BTD, w_D2F):
+    def gate_up_acts(self, x_BTD, w_D2F, extra=None):
         h_BT2F = jnp.einsum("BTD,DCF->BTCF", x_BTD, w_D2F)
+        if extra is not None:
+            h_BT2F = h_BT2F + extra
         gate_BTF, up_BTF = self.gate_fn(h_BT2F[:, :, 0]), h_BT2F[:, :, 1]
         return gate_BTF, up_BTF, gate_BTF * up_BTF
 
@@ -205,8 +214,9 @@ class PlainMLP(_MLPBase):
     """Two-matrix MLP: a = act(x W_in), y = a W_out."""
     act_fn = staticmethod(jax.nn.relu)
 
-    def gate_up_acts(self, x_BTD, w_DF):
-        a_BTF = self.act_fn(jnp.einsum("BTD,DF->BTF", x_BTD, w_DF))
+    def gate_up_acts(self, x_BTD, w_DF, extra=None):
+        h_BTF = jnp.einsum("BTD,DF->BTF", x_BTD, w_DF)
+        a_BTF = self.act_fn(h_BTF if extra is None else h_BTF + extra[:, :, 0])
         return a_BTF, None, a_BTF
 
 

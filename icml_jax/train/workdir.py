@@ -41,6 +41,8 @@ _FIXED_PREFIXES = ("task", "seed", "model.", "data.", "train.batch_size")
 # keys under those prefixes that change neither the state nor the data: a location (moving the
 # TFDS folder does not change the data) and how the same params are computed
 _FREE_KEYS = ("data.data_dir", "model.remat", "model.dtype")
+# config keys added later, with the value that means "as before": a run saved without one resumes
+ADDED_DEFAULTS = {"model.lowrank": 0}
 # keys that define the learning-rate schedule (optimizer.lr_schedule)
 SCHEDULE_KEYS = ("train.steps", "train.lr", "train.warmup_steps", "train.min_lr_ratio")
 # files and folders of a run that start_over moves aside
@@ -146,6 +148,8 @@ def config_changes(saved: dict, new: dict) -> dict:
     out = {"fixed": [], "schedule": [], "other": []}
     for key in sorted(set(a) | set(b)):
         old, cur = a.get(key, "<absent>"), b.get(key, "<absent>")
+        if old == "<absent>" and key in ADDED_DEFAULTS and _same(ADDED_DEFAULTS[key], cur):
+            continue  # a key added after the run was written, at the value the run had
         if _same(old, cur) or key in _FREE_KEYS or key == "train.start_over":
             continue
         kind = ("schedule" if key in SCHEDULE_KEYS else
