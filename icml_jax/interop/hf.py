@@ -307,6 +307,10 @@ def save_hf(path: str, model_cfg: ml_collections.ConfigDict, params: dict,
     dtype = dtype or model_cfg.param_dtype
     if dtype not in _NP_DTYPES:
         raise ValueError(f"save_hf(dtype={dtype!r}): choose one of {sorted(_NP_DTYPES)}")
+    if int(model_cfg.get("lowrank", 0) or 0):
+        raise ValueError(f"save_hf: config.model.lowrank={model_cfg.lowrank} (low-rank factors beside "
+                         "the kernels) has no Hugging Face layout; fold them in first with "
+                         "icml_jax.compress.prune.merged_params(params, model_cfg) and save its result")
     hf = hf_config.to_hf_config(model_cfg, architecture, dtype, dict(
         bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id))
     d = Dims.of(model_cfg)
