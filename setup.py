@@ -29,6 +29,9 @@ INSTALL_REQUIRES = [
     "numpy>=2.4.6,<3",
     "scipy>=1.17.1,<2",  # power-law fits of the sparsity analysis (already required by jax)
     "etils>=1.15.0",
+    # one BLAS thread for TLR's small SVDs: OpenBLAS's thread pool made a 256x512 SVD 160x slower
+    # on a busy 2-core machine (icml_jax/compress/tlr.py)
+    "threadpoolctl>=3.7.0,<4",
     # exact: the testbed's gold reward is this version's lexicon (its name is in cache keys)
     "vaderSentiment==3.3.2",
 ]

@@ -21,6 +21,7 @@ The experiment: python -m experiments.evic --workdir=runs/evic [--preset=tiny|de
   seed           0       the sketch's random matrix
   save_matrix_max 2048   Int among the pool's first rows, up to this many, goes to
                          WORKDIR/evic/round_*.npz (I_j always covers the whole pool)
+  noise_check    False   also that block's Int under a second sketch (the sketch's own noise)
 """
 import ml_collections
 
@@ -29,7 +30,8 @@ from icml_jax.config_utils import sibling_config
 lm = sibling_config(__file__)
 
 EVIC = dict(enabled=False, every=200, start=0, precond="adam", proj="countsketch", proj_dim=4096,
-            chunk=16, select="positive", top_fraction=0.5, seed=0, save_matrix_max=2048)
+            chunk=16, select="positive", top_fraction=0.5, seed=0, save_matrix_max=2048,
+            noise_check=False)
 
 PRESETS = {
     "tiny": dict(

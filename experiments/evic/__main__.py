@@ -39,14 +39,14 @@ PRESETS = {
                  train=dict(steps=12, batch_size=8, lr=1e-3, warmup_steps=2, log_every=6, eval_every=12,
                             eval_batches=1)),
         n_train=16, n_eval=4, corrupt=0.25, sizes=dict(add=1, rev=5, up=5), every=4, start=4, proj_dim=256, evals=(6, 12), seeds=(0,),
-        gate_em=0.0),
+        gate_em=0.0, matrix_rows=48),
     "default": preset(
         run=dict(model=dict(d_model=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, ffn_dim=384),
                  data=dict(seq_len=32),
                  train=dict(steps=1000, batch_size=32, lr=2e-3, warmup_steps=50, log_every=100, eval_every=1000,
                             eval_batches=2)),
         n_train=600, n_eval=100, corrupt=0.1, sizes=dict(add=1, rev=5, up=5), every=200, start=200,
-        proj_dim=4096, evals=(200, 400, 600, 800, 1000), seeds=(0, 1, 2), gate_em=0.5),
+        proj_dim=4096, evals=(200, 400, 600, 800, 1000), seeds=(0, 1, 2), gate_em=0.5, matrix_rows=600),
 }
 ARMS = ("mtl", "evic", "static", "curriculum")
 DOMAINS = ("add", "rev", "up")
@@ -110,7 +110,8 @@ def arm_config(exp, arm: str, seed: int, data_path: str):
     c.train.keep_checkpoints = len(exp.evals) + 1
     if arm in ("evic", "static"):
         c.evic.update(enabled=True, start=int(exp.start), proj_dim=int(exp.proj_dim),
-                      every=int(exp.every) if arm == "evic" else int(c.train.steps) + 1)
+                      every=int(exp.every) if arm == "evic" else int(c.train.steps) + 1,
+                      save_matrix_max=int(exp.matrix_rows), noise_check=True)
     if arm == "curriculum":
         _register_curriculum()
         c.task = "sft_curriculum"
@@ -160,9 +161,11 @@ def selection_stats(rounds, corrupt: np.ndarray) -> dict:
     kept = [float(r["mask"].mean()) for r in rounds]
     flips = [sign_flip_rate(a["interactions"], b["interactions"]) for a, b in zip(rounds, rounds[1:])
              if a["interactions"].size and b["interactions"].size]
+    noise = [sign_flip_rate(r["interactions"], r["interactions_alt_sketch"]) for r in rounds
+             if r["interactions_alt_sketch"].size]
     clean_i = [float(r["influence"][~corrupt].mean()) for r in rounds]
     bad_i = [float(r["influence"][corrupt].mean()) for r in rounds]
-    return {"corrupt_share": shares, "kept": kept, "flip_rate": flips,
+    return {"corrupt_share": shares, "kept": kept, "flip_rate": flips, "sketch_flip_rate": noise,
             "influence_clean": clean_i, "influence_corrupt": bad_i}
 
 
@@ -214,8 +217,10 @@ def report(exp, results, sel, gates, wd, elapsed):
     ev = sel.get("evic")
     if ev and ev["flip_rate"] and ev["flip_rate"][0]:
         flips = np.mean(ev["flip_rate"], axis=0)
-        lines += [f"Sign-flip rate of Int (off-diagonal) between consecutive EVIC rounds: "
-                  + ", ".join(f"{x:.3f}" for x in flips) + ".", ""]
+        noise = np.mean(ev["sketch_flip_rate"], axis=0)
+        lines += [f"Sign-flip rate of Int (off-diagonal, first {exp.matrix_rows} rows) between consecutive EVIC "
+                  "rounds: " + ", ".join(f"{x:.3f}" for x in flips) + "; between two independent sketches of "
+                  "the same round (the sketch's own noise): " + ", ".join(f"{x:.3f}" for x in noise) + ".", ""]
     if ev:
         ci, bi = np.mean(ev["influence_clean"], 0), np.mean(ev["influence_corrupt"], 0)
         lines += ["Mean total influence I_j of clean vs corrupted rows per EVIC round: "

@@ -182,7 +182,8 @@ def prune_model(params, model_cfg, *, method: str = "magnitude", pattern: str = 
     Args:
       params, model_cfg: an unscanned standard decoder (``lowrank`` 0).
       method: magnitude | wanda (needs ``calib_tokens`` int [N, T]) | random.
-      pattern: unstructured (``sparsity``, ``scope`` row / matrix / global) or "N:M" (e.g. 2:4).
+      pattern: unstructured (``sparsity``: a share, or a dict projection name -> share;
+        ``scope`` row / matrix / global) or "N:M" (e.g. 2:4).
       refine: none (prune only) | svd (one-shot rank-``rank`` SVD of the pruned-away part) |
         tlr (``iters`` alternations, ``early_stop`` on the spectral mass, None = all).
     Report: per projection the kept share, ||W - S - BA|| / ||W||, and TLR's iterations.
@@ -232,7 +233,8 @@ def prune_model(params, model_cfg, *, method: str = "magnitude", pattern: str = 
                 keep = global_keep[i][name]
             else:
                 sc = mask_lib.scores(w, method, norms.get(name), rng)
-                keep = (mask_lib.n_of_m(sc, *nm) if nm else mask_lib.unstructured(sc, sparsity, scope))
+                sp = sparsity[name] if isinstance(sparsity, dict) else sparsity
+                keep = (mask_lib.n_of_m(sc, *nm) if nm else mask_lib.unstructured(sc, sp, scope))
             keep = keep & (w != 0)  # the reference's mask: weights that are non-zero after pruning
             entry = {"kept": float(keep.mean())}
             if refine == "tlr":

@@ -193,7 +193,7 @@ def settings(config) -> dict | None:
     out = dict(every=int(e.every), start=int(e.start), precond=str(e.precond), proj=str(e.proj),
                proj_dim=int(e.proj_dim), chunk=int(e.chunk), select=str(e.select),
                top_fraction=float(e.top_fraction), seed=int(e.seed),
-               save_matrix_max=int(e.save_matrix_max))
+               save_matrix_max=int(e.save_matrix_max), noise_check=bool(e.get("noise_check", False)))
     for key in ("every", "chunk", "proj_dim"):
         if out[key] < 1:
             raise ValueError(f"config.evic.{key} must be >= 1, got {out[key]}")
@@ -226,7 +226,8 @@ class Refresher:
 
     Each refresh writes ``WORKDIR/evic/round_<step>.npz`` (process 0, atomically): ``mask``,
     ``influence`` (I_j), ``selected_before`` and ``interactions``: Int (eta = 1) among the first
-    ``save_matrix_max`` rows of the pool (all of it when smaller)."""
+    ``save_matrix_max`` rows of the pool (all of it when smaller); with ``noise_check`` also
+    ``interactions_alt_sketch``, the same block under a second, independent sketch."""
 
     def __init__(self, opts: dict, config, task, data_iter, abstract_state, workdir: str):
         check_task(config, task)
@@ -242,6 +243,7 @@ class Refresher:
         self.pool = {k: np.asarray(task.train_arrays[k]) for k in keys}
         self.n = int(self.pool["inputs"].shape[0])
         sketch = make_sketch(abstract_state.params, opts["proj"], opts["proj_dim"], opts["seed"])
+        alt = make_sketch(abstract_state.params, opts["proj"], opts["proj_dim"], opts["seed"] + 1)
         b1, b2, eps = float(t.b1), float(t.b2), float(t.eps)
 
         def fn(params, opt_state, pool):
@@ -254,7 +256,14 @@ class Refresher:
             total = influence(a, b)
             m = min(self.n, opts["save_matrix_max"])  # Int of the first m rows only
             mat = interactions(a[:m], b[:m])
-            return total, mat
+            if not opts["noise_check"]:
+                return total, mat, jnp.zeros((0, 0))
+            # the same rows under an independent sketch: how much of Int's sign pattern is the
+            # sketch's own noise (compare its flip rate with the rounds')
+            head = jax.tree.map(lambda x: x[:m], pool)
+            a_alt, b_alt = features(task.example_loss, params, head, alt, direction=direction,
+                                  chunk=opts["chunk"])
+            return total, mat, interactions(a_alt, b_alt)
 
         self.fn = jax.jit(fn)
 
@@ -265,7 +274,7 @@ class Refresher:
     def __call__(self, step: int, state) -> dict:
         """Recomputes the selection before update ``step``; returns the metrics to log."""
         t0 = time.time()
-        total, mat = jax.device_get(self.fn(state.params, state.opt_state, self.pool))
+        total, mat, mat_alt = jax.device_get(self.fn(state.params, state.opt_state, self.pool))
         mask = select(total, self.opts["select"], self.opts["top_fraction"])
         before = self.data_iter.selection
         kept = bool(mask.any())
@@ -276,7 +285,8 @@ class Refresher:
             path = f"{self.workdir}/evic/round_{step:07d}.npz"
             with atomic_path(path, suffix=".tmp.npz") as tmp:
                 np.savez(tmp, mask=self.data_iter.selection, influence=total,
-                         selected_before=before, interactions=mat, step=step)
+                         selected_before=before, interactions=mat, interactions_alt_sketch=mat_alt,
+                         step=step)
         return {"evic/selected": float(self.data_iter.selection.mean()),
                 "evic/positive": float((total > 0).mean()),
                 "evic/changed": float((self.data_iter.selection != before).mean()),

@@ -22,6 +22,7 @@ def test_evic_tiny_outputs(tmp_path):
     n_rounds = len(range(exp.start, exp.run.train.steps, exp.every))
     assert len(cfg["selection"]["evic"]["kept"][0]) == n_rounds
     assert len(cfg["selection"]["static"]["kept"][0]) == 1
+    assert len(cfg["selection"]["evic"]["sketch_flip_rate"][0]) == n_rounds  # the noise control ran
     assert "Gates:" in open(os.path.join(wd, "results.md")).read()
 
 
