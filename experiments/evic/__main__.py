@@ -141,7 +141,7 @@ def run_arm(exp, arm, seed, data_path, eval_rows, workdir):
     from icml_jax.data.tokenizers import build_tokenizer
     from icml_jax.train.checkpoint import restore_model_params
     cfg = arm_config(exp, arm, seed, data_path)
-    train_run(cfg, workdir)
+    _, losses, _ = train_run(cfg, workdir)
     tok = build_tokenizer(cfg.data.tokenizer)
     rows = []
     for step in exp.evals:
@@ -151,6 +151,13 @@ def run_arm(exp, arm, seed, data_path, eval_rows, workdir):
     folder = os.path.join(workdir, "evic")
     rounds = [dict(np.load(os.path.join(folder, n))) for n in sorted(os.listdir(folder))] \
         if os.path.isdir(folder) else []
+    # mean training loss over the last tenth of each third of the run (the curriculum's stages)
+    steps = int(cfg.train.steps)
+    stage_loss = [float(np.mean([r["loss"] for r in losses
+                                 if (k + 0.9) * steps / 3 < r["step"] <= (k + 1) * steps / 3] or [np.nan]))
+                  for k in range(3)]
+    for r in rows:
+        r["stage_loss"] = stage_loss
     return rows, rounds
 
 
@@ -214,6 +221,11 @@ def report(exp, results, sel, gates, wd, elapsed):
         markdown_table(["arm", "add", "rev", "up", "average", "step reaching MTL final",
                         "corrupted share of selected", "kept"], table),
     ]
+    stage = {arm: np.nanmean([next(r for r in results if r["arm"] == arm and r["seed"] == sd)["stage_loss"]
+                              for sd in exp.seeds], axis=0) for arm in ARMS}
+    lines += ["Training loss (completion tokens) at the end of each third of the run, mean over seeds "
+              "(the curriculum adds rev after the first third and up after the second): "
+              + "; ".join(f"{arm} " + " / ".join(f"{x:.3f}" for x in stage[arm]) for arm in ARMS) + ".", ""]
     ev = sel.get("evic")
     if ev and ev["flip_rate"] and ev["flip_rate"][0]:
         flips = np.mean(ev["flip_rate"], axis=0)
@@ -276,7 +288,7 @@ def main(argv=None):
                      key=lambda r: r["step"])["em_avg"] for s in exp.seeds]
     gates = {f"MTL learns (final average exact match >= {exp.gate_em})":
              bool(np.mean(mtl_final) >= exp.gate_em)}
-    write_csv(os.path.join(wd, "results.csv"), results, FIELDS)
+    write_csv(os.path.join(wd, "results.csv"), [{k: r[k] for k in FIELDS} for r in results], FIELDS)
     write_json(os.path.join(wd, "config.json"), {"preset": args.preset, "exp": record(exp, ["run"]),
                                                  "gates": gates, "selection": sel})
     plot(exp, results, os.path.join(wd, "em.png"))
