@@ -27,7 +27,7 @@ def test_vocagnolm_tiny_outputs(tmp_path, monkeypatch):
     assert set(sel["vocagnolm"]) == {"pretrained student", "CE student (seed 0, end)"}
     assert all(0 <= v <= 1 for v in sel["vocagnolm"].values())
     md = open(os.path.join(wd, "results.md")).read()
-    assert "Gates:" in md and "VocAgnoLM − CE" in md
+    assert "Gates:" in md and "Reading: clean-solution NLL against CE: VocAgnoLM" in md
     noisy = [json.loads(line)["text"] for line in open(os.path.join(wd, "corpus_noisy.jsonl"))]
     assert len(noisy) == exp.student_docs
 
