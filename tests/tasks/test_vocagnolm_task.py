@@ -50,6 +50,7 @@ def setup(tmp_path_factory):
     spm = train_sentencepiece(texts, str(root / "spm" / "spm"), vocab_size=400)
     c = load_config("configs/lm.py:tiny", unlocked=True)
     c.data.name, c.data.path, c.model.vocab_size = "jsonl", path, 512
+    c.data.data_dir = str(root / "tfds")  # the JSONL corpus build stays in the test folder
     c.data.tokenizer.type, c.data.tokenizer.model_path = "sentencepiece", spm.model_path
     c.train.update(steps=4, samples=0, eval_every=4, checkpoint_every=4, eval_batches=1, log_every=2)
     teacher = str(root / "teacher")
