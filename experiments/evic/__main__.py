@@ -7,7 +7,11 @@ Data (``icml_jax.data.multidomain``, byte tokens): ``n_train`` rows per domain o
 string reversal and upper-casing (the spec's "formatting"; its key-value lookup was not learned
 by this model within the budget in a pilot, exact match at chance), a ``corrupt`` share of each
 domain's rows with a conflicting completion (a wrong sum, the string copied unreversed, the string
-copied in lower case); held-out clean prompts, ``n_eval`` per domain. Every arm trains the ``sft`` task (completion-only loss)
+copied in lower case); clean evaluation prompts, ``n_eval`` per domain. Addition is one-digit
+(81 problems, each in the pool ~7 times, ~10% of its copies with a wrong sum), so its evaluation
+prompts were all seen in training: its exact match measures whether the clean majority wins over
+the conflicting copies of the same prompt; rev and up prompts are new strings (generalisation).
+The spec pretrains a tiny LM first; here every arm starts from scratch. Every arm trains the ``sft`` task (completion-only loss)
 from scratch with the normal train loop for the same steps and batch:
   mtl         uniform shuffled epochs over the whole pool;
   evic        ``config.evic``: every ``every`` steps from ``start`` (Adam-preconditioned
@@ -223,8 +227,12 @@ def report(exp, results, sel, gates, wd, elapsed):
     ]
     stage = {arm: np.nanmean([next(r for r in results if r["arm"] == arm and r["seed"] == sd)["stage_loss"]
                               for sd in exp.seeds], axis=0) for arm in ARMS}
-    lines += ["Training loss (completion tokens) at the end of each third of the run, mean over seeds "
-              "(the curriculum adds rev after the first third and up after the second): "
+    lines += ["Addition is one-digit (81 problems): its evaluation prompts all occur in training, with ~10% "
+              "conflicting copies, so its column measures whether the clean majority wins; rev and up are "
+              "unseen strings.", "",
+              "Training loss (completion tokens) at the end of each third of the run, mean over seeds "
+              "(the curriculum adds rev after the first third and up after the second; the selecting "
+              "arms' loss is on their selected rows, so it is not comparable with MTL's): "
               + "; ".join(f"{arm} " + " / ".join(f"{x:.3f}" for x in stage[arm]) for arm in ARMS) + ".", ""]
     ev = sel.get("evic")
     if ev and ev["flip_rate"] and ev["flip_rate"][0]:

@@ -152,13 +152,15 @@ def _with_rank(model_cfg, rank: int):
     return cfg
 
 
-def input_norms(params, model_cfg, tokens: np.ndarray, layer: int, segment_ids=None) -> dict:
+def input_norms(params, model_cfg, tokens: np.ndarray, layer: int, segment_ids=None,
+                positions=None) -> dict:
     """||X_:,i||_2 of each projection's calibration inputs in block ``layer`` (over the tokens
     whose segment id is > 0): q/k/v read the attention input, o the attention output before its
     projection, gate/up the MLP input, down the MLP activations."""
     tokens = jnp.asarray(tokens, jnp.int32)
     seg = jnp.ones_like(tokens) if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
-    _, state = build_model(model_cfg).apply({"params": params}, tokens, None, seg,
+    pos = None if positions is None else jnp.asarray(positions, jnp.int32)
+    _, state = build_model(model_cfg).apply({"params": params}, tokens, pos, seg,
                                             mutable=["intermediates"])
     inter = state["intermediates"][f"layer_{layer}"]
     w = np.asarray(seg > 0, np.float32).reshape(-1)
@@ -176,7 +178,7 @@ def input_norms(params, model_cfg, tokens: np.ndarray, layer: int, segment_ids=N
 def prune_model(params, model_cfg, *, method: str = "magnitude", pattern: str = "unstructured",
                 sparsity: float = 0.5, scope: str = "row", refine: str = "none", rank: int = 8,
                 iters: int = 10, early_stop: float | None = 0.99, calib_tokens=None,
-                calib_segments=None, seed: int = 0):
+                calib_segments=None, calib_positions=None, seed: int = 0):
     """Prunes every block projection; returns (params, model config, report).
 
     Args:
@@ -199,6 +201,8 @@ def prune_model(params, model_cfg, *, method: str = "magnitude", pattern: str = 
         raise ValueError("prune_model takes a dense model (config.model.lowrank=0); merge the "
                          "factors first with merged_params")
     nm = mask_lib.parse_pattern(pattern)
+    if scope == "global" and isinstance(sparsity, dict):
+        raise ValueError("scope='global' takes one sparsity for the whole model, not a per-projection dict")
     if scope == "global" and (method == "wanda" or nm is not None):
         raise ValueError("scope='global' ranks magnitude or random scores of all matrices together; "
                          "use scope='row' or 'matrix' for wanda and N:M patterns")
@@ -225,7 +229,7 @@ def prune_model(params, model_cfg, *, method: str = "magnitude", pattern: str = 
     report = {}
     for i in range(L):
         mats = matrices(layers[i], model_cfg)
-        norms = (input_norms(current, calib_cfg, calib_tokens, i, calib_segments)
+        norms = (input_norms(current, calib_cfg, calib_tokens, i, calib_segments, calib_positions)
                  if method == "wanda" else {})
         sparse, factors = {}, {}
         for name, w in mats.items():

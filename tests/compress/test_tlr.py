@@ -166,3 +166,16 @@ def test_pruned_model_decodes_and_exports(tiny, tmp_path):
     a = build_model(dc).apply({"params": dense}, tokens)
     b = build_model(loaded_cfg).apply({"params": loaded}, tokens)
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+
+
+def test_wanda_input_norms_by_hand(tiny):
+    """Block 0's q/k/v norms are those of rmsnorm(embedding[tokens]) (computed here directly);
+    gate/up read the MLP input and down the MLP activations, each of its own width."""
+    c, params, tokens = tiny
+    norms = prune.input_norms(params, c, tokens, 0)
+    h = np.asarray(params["io"]["embedding"])[np.asarray(tokens)].reshape(-1, c.d_model)
+    x = h / np.sqrt((h * h).mean(-1, keepdims=True) + c.norm_eps) * np.asarray(params["layer_0"]["attn_norm"]["scale"])
+    np.testing.assert_allclose(norms["q"], np.sqrt((x * x).sum(0)), rtol=1e-4)
+    assert norms["k"] is norms["q"] and norms["gate"] is norms["up"]
+    assert norms["o"].shape == (c.num_heads * c.head_dim,) and norms["down"].shape == (c.ffn_dim,)
+    assert not np.allclose(norms["up"], norms["q"])  # the MLP input is after the attention residual
