@@ -145,7 +145,13 @@ def run_arm(exp, arm, seed, data_path, eval_rows, workdir):
     from icml_jax.data.tokenizers import build_tokenizer
     from icml_jax.train.checkpoint import restore_model_params
     cfg = arm_config(exp, arm, seed, data_path)
-    _, losses, _ = train_run(cfg, workdir)
+    summary, losses, seconds = train_run(cfg, workdir)
+    # the training time as measured when the run trained (a finished run is only reloaded)
+    tpath = os.path.join(workdir, "train_seconds.json")
+    if summary.get("start_step", 0) < cfg.train.steps or not os.path.exists(tpath):
+        write_json(tpath, {"seconds": seconds})
+    with open(tpath) as f:
+        train_seconds = json.load(f)["seconds"]
     tok = build_tokenizer(cfg.data.tokenizer)
     rows = []
     for step in exp.evals:
@@ -162,6 +168,7 @@ def run_arm(exp, arm, seed, data_path, eval_rows, workdir):
                   for k in range(3)]
     for r in rows:
         r["stage_loss"] = stage_loss
+        r["train_seconds"] = train_seconds
     return rows, rounds
 
 
@@ -191,6 +198,7 @@ def steps_to_reach(rows, target: float):
 
 
 def report(exp, results, sel, gates, wd, elapsed):
+    train_min = sum({(r["arm"], r["seed"]): r["train_seconds"] for r in results}.values()) / 60
     final = {arm: {s: max((r for r in results if r["arm"] == arm and r["seed"] == s),
                           key=lambda r: r["step"]) for s in exp.seeds} for arm in ARMS}
     table = []
@@ -213,9 +221,10 @@ def report(exp, results, sel, gates, wd, elapsed):
     lines = [
         "# EVIC: multi-domain SFT with conflicting samples", "",
         f"Commit {git_commit()}, preset settings in config.json; {len(exp.seeds)} seeds "
-        f"({', '.join(map(str, exp.seeds))}), {elapsed() / 60:.1f} min on this machine. "
+        f"({', '.join(map(str, exp.seeds))}); training {train_min:.1f} min (the runs' own times, summed), "
+        f"this invocation {elapsed() / 60:.1f} min. "
         f"Pool: {exp.n_train} rows per domain, {exp.corrupt:.0%} of each corrupted; "
-        f"{exp.n_eval} clean held-out prompts per domain; every arm trains "
+        f"{exp.n_eval} clean evaluation prompts per domain; every arm trains "
         f"{exp.run.train.steps} steps x {exp.run.train.batch_size} examples from scratch.", "",
         *gate_lines(gates, "A gate failed: the comparison below cannot show EVIC's effect."),
         "Final exact match (mean ± s.e. over seeds), the evaluated step at which each seed first "
@@ -260,7 +269,7 @@ def plot(exp, results, path):
         ax.errorbar(steps, [m[0] for m in ms], yerr=[m[1] for m in ms], label=arm, marker="o",
                     capsize=3)
     ax.set_xlabel("step")
-    ax.set_ylabel("held-out exact match (average of 3 domains)")
+    ax.set_ylabel("exact match on evaluation prompts (mean of 3 domains)")
     ax.set_title(f"EVIC vs mixing, {exp.corrupt:.0%} conflicting samples")
     ax.legend()
     fig.tight_layout()
