@@ -1,0 +1,65 @@
+"""Puzzle's search (icml_jax/compress/puzzle_mip.py): the MIP equals brute force on small
+libraries and meets every bound; the single-constraint DP equals the MIP; diversity; errors."""
+import itertools
+
+import numpy as np
+import pytest
+
+from icml_jax.compress import puzzle_mip as pm
+
+
+def _library(rng, layers=4, variants=4):
+    return {f"layer_{l}": {f"v{j}": {"metrics": {"kl": float(rng.random()), "acc": float(rng.random())},
+                                     "stats": {"params": int(rng.integers(1, 20)),
+                                               "kv": int(rng.integers(0, 5))}}
+                           for j in range(variants)} for l in range(layers)}
+
+
+def _brute(lib, objective, constraints, bigger=False):
+    best = None
+    for combo in itertools.product(*[list(lib[l]) for l in lib]):
+        chosen = dict(zip(lib, combo))
+        value, costs = pm.totals(lib, chosen, objective, constraints)
+        if pm.feasible(costs, constraints) and (best is None or (value > best[1] if bigger else value < best[1])):
+            best = (chosen, value, costs)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_mip_equals_brute_force_and_meets_bounds(seed):
+    rng = np.random.default_rng(seed)
+    lib = _library(rng)
+    cons = {"stats.params": (20, 45), "stats.kv": 9}
+    bigger = seed % 2 == 1
+    objective = "metrics.acc" if bigger else "metrics.kl"
+    want = _brute(lib, objective, cons, bigger)
+    if want is None:
+        with pytest.raises(pm.InfeasibleError):
+            pm.solve(lib, objective, cons, bigger_is_better=bigger)
+        return
+    chosen, value, costs = pm.solve(lib, objective, cons, bigger_is_better=bigger)
+    assert value == pytest.approx(want[1], abs=1e-9)
+    assert 20 <= costs["stats.params"] <= 45 and costs["stats.kv"] <= 9
+    assert set(chosen) == set(lib)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_dp_matches_mip_with_one_constraint(seed):
+    rng = np.random.default_rng(100 + seed)
+    lib = _library(rng, layers=5, variants=3)
+    _, v_mip, c_mip = pm.solve(lib, "metrics.kl", {"stats.params": 40})
+    chosen, v_dp, c_dp = pm.solve_dp(lib, "metrics.kl", "stats.params", 40)
+    assert v_dp == pytest.approx(v_mip, abs=1e-9) and c_dp <= 40
+    assert pm.totals(lib, chosen, "metrics.kl", {})[0] == pytest.approx(v_dp)
+
+
+def test_diversity_and_running_out():
+    rng = np.random.default_rng(7)
+    lib = _library(rng, layers=3, variants=2)  # 8 choices in all
+    sols = pm.solve_many(lib, "metrics.kl", {"stats.params": 1000}, num_solutions=10, min_diversity=2)
+    for i, a in enumerate(sols):
+        for b in sols[:i]:
+            assert sum(a["chosen"][l] != b["chosen"][l] for l in lib) >= 2
+    assert 1 <= len(sols) < 10  # at most 4 choices pairwise 2 apart among 8
+    values = [s["value"] for s in sols]
+    assert values == sorted(values)  # each later solution is the best of what is left
