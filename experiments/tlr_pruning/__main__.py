@@ -231,12 +231,11 @@ def plot(exp, results, path):
     fig, axes = plt.subplots(1, len(s), figsize=(3.2 * len(s), 3.6), sharey=False, squeeze=False)
     for ax, ((pattern, sp, method), arms) in zip(axes[0], s.items()):
         names = list(arms)
-        ax.bar(range(len(names)), [arms[n][0] for n in names], yerr=[arms[n][1] for n in names], capsize=2)
-        ax.axhline(dense, color="gray", ls="--")
+        ax.bar(range(len(names)), [arms[n][0] - dense for n in names], yerr=[arms[n][1] for n in names], capsize=2)
         ax.set_xticks(range(len(names)))
         ax.set_xticklabels([f"{a}\nk={k}" if k else a for a, k in names], rotation=70, fontsize=6)
         ax.set_title(f"{pattern} {sp:.0%} {method}", fontsize=8)
-    axes[0][0].set_ylabel("validation perplexity (dashed: dense)")
+    axes[0][0].set_ylabel(f"validation perplexity - dense ({dense:.3f})")
     fig.tight_layout()
     save_figure(fig, path)
 
