@@ -63,6 +63,7 @@ bench: $(FULL_STAMP)
 	$(PY) -m benchmarks.sparse_ffn
 	$(PY) -m benchmarks.compile_time
 	$(PY) -m benchmarks.step_profile
+	$(PY) -m benchmarks.evic_memory
 
 clean:
 	rm -rf $(VENV) runs

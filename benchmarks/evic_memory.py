@@ -32,7 +32,7 @@ c.update(dict(d_model=256, num_layers=6, num_heads=8, num_kv_heads=8, head_dim=3
 model = build_model(c)
 params = model.init(jax.random.key(0), jnp.zeros((1, t), jnp.int32))["params"]
 n_params = sum(x.size for x in jax.tree.leaves(params))
-st = optax.adam(1e-3).init(params)
+st = evic.adam_state(optax.adam(1e-3).init(params))
 direction = lambda g: evic.adam_direction(g, st, 0.9, 0.999, 1e-8)
 def loss(p, ex):
     b = {k: v[None] for k, v in ex.items()}
@@ -63,7 +63,8 @@ def main():
     md = ["# EVIC per-example gradients: memory and time vs chunk size", "",
           f"{rows[0]['params']:,}-parameter decoder (6 layers, d = 256), {N} examples x {T} tokens, "
           "Adam direction + countsketch (k = 4096); one process per chunk size (peak RSS includes "
-          "JAX, XLA and the compile); time of the second, compiled call. One run on this 2-core CPU.",
+          "JAX, XLA and the compile); time of the second, compiled call. One run on this 2-core CPU "
+          f"({os.environ.get('BENCH_NOTE', 'idle')}).",
           "", "| chunk | peak RSS (GiB) | seconds | ms per example |", "|---|---|---|---|"]
     md += [f"| {r['chunk']} | {r['peak_rss_gib']:.2f} | {r['seconds']:.2f} | "
            f"{1000 * r['seconds'] / N:.1f} |" for r in rows]
