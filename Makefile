@@ -64,6 +64,7 @@ bench: $(FULL_STAMP)
 	$(PY) -m benchmarks.compile_time
 	$(PY) -m benchmarks.step_profile
 	$(PY) -m benchmarks.evic_memory
+	$(PY) -m benchmarks.compressed_decode
 
 clean:
 	rm -rf $(VENV) runs
