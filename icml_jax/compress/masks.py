@@ -44,10 +44,7 @@ def unstructured(score: np.ndarray, sparsity: float, scope: str = "row") -> np.n
         raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
     s = np.asarray(score)
     if scope == "matrix":
-        flat = s.reshape(-1)
-        keep = np.ones(flat.size, bool)
-        keep[np.argsort(flat, kind="stable")[:int(flat.size * sparsity)]] = False
-        return keep.reshape(s.shape)
+        return global_masks([s], sparsity)[0]
     keep = np.ones(s.shape, bool)
     drop = np.argsort(s, axis=1, kind="stable")[:, :int(s.shape[1] * sparsity)]
     np.put_along_axis(keep, drop, False, axis=1)

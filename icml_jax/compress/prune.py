@@ -21,6 +21,7 @@ the next layer's inputs before it extracts the factors), and layer l still dense
 from __future__ import annotations
 
 import copy
+import functools
 
 import flax.linen as nn
 import jax
@@ -152,6 +153,15 @@ def _with_rank(model_cfg, rank: int):
     return cfg
 
 
+@functools.lru_cache(maxsize=8)
+def _intermediates_fn(model_cfg):
+    """One jitted forward per architecture returning the sown intermediates (the sequential
+    calibration runs it once per block)."""
+    model = build_model(model_cfg)
+    return jax.jit(lambda p, t, pos, seg: model.apply({"params": p}, t, pos, seg,
+                                                       mutable=["intermediates"])[1]["intermediates"])
+
+
 def input_norms(params, model_cfg, tokens: np.ndarray, layer: int, segment_ids=None,
                 positions=None) -> dict:
     """||X_:,i||_2 of each projection's calibration inputs in block ``layer`` (over the tokens
@@ -159,10 +169,10 @@ def input_norms(params, model_cfg, tokens: np.ndarray, layer: int, segment_ids=N
     projection, gate/up the MLP input, down the MLP activations."""
     tokens = jnp.asarray(tokens, jnp.int32)
     seg = jnp.ones_like(tokens) if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
-    pos = None if positions is None else jnp.asarray(positions, jnp.int32)
-    _, state = build_model(model_cfg).apply({"params": params}, tokens, pos, seg,
-                                            mutable=["intermediates"])
-    inter = state["intermediates"][f"layer_{layer}"]
+    pos = (jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+           if positions is None else jnp.asarray(positions, jnp.int32))
+    inter = _intermediates_fn(ml_collections.FrozenConfigDict(model_cfg))(params, tokens, pos, seg)
+    inter = inter[f"layer_{layer}"]
     w = np.asarray(seg > 0, np.float32).reshape(-1)
 
     def norm(x):

@@ -628,10 +628,11 @@ class SubsetIterator:
 
     def __next__(self) -> dict[str, np.ndarray]:
         m = len(self._rows)
+        k = self.drawn + np.arange(self.batch)
         picks = np.empty(self.batch, np.int64)
-        for i in range(self.batch):
-            k = self.drawn + i
-            picks[i] = self._epoch_order(k // m)[k % m]
+        for epoch in np.unique(k // m):  # a batch spans one epoch, or two at a boundary
+            at = k // m == epoch
+            picks[at] = self._epoch_order(int(epoch))[k[at] % m]
         self.drawn += self.batch
         rows = picks[self.start:self.start + self.size]
         out = {k: v[rows] for k, v in self.arrays.items()}
