@@ -69,6 +69,9 @@ def base_config() -> ml_collections.ConfigDict:
     # > 0: every attention / MLP projection also has rank-r factors, y = x W + (x A) B (the
     # sparse + low-rank layers of TLR pruning, models/lowrank.py); standard residual only
     c.model.lowrank = 0
+    # per-layer blocks (Puzzle children, models/hetero.py): "" = every layer as above, or one entry
+    # per layer, comma-separated: attention = KV heads | linear | noop; ffn = width | linear | noop
+    c.model.blocks = ml_collections.ConfigDict(dict(attention="", ffn=""))
     c.model.residual = "standard"  # registry icml_jax.models.residual: standard | rmt
     # Residual Matrix Transformer (residual="rmt"; docs/methods/rmt.md). It reuses num_layers (L),
     # num_heads (R, = num_kv_heads), head_dim (Dv), ffn_dim (N_ff), vocab_size; d_model is unused.

@@ -8,7 +8,7 @@ from typing import Callable, NamedTuple
 import jax
 import ml_collections
 
-from icml_jax.models import lowrank
+from icml_jax.models import hetero, lowrank
 from icml_jax.models import rmt as _rmt  # noqa: F401  registers residual="rmt"
 from icml_jax.models.positions import POSITIONS, frozen_param_mask
 from icml_jax.models.residual import RESIDUALS
@@ -37,6 +37,7 @@ def validate(m: ml_collections.ConfigDict) -> None:
     if rank and m.mlp.get("sparse_capacity", 0):
         raise ValueError(f"config.model.lowrank={rank} cannot run with the gathered sparse FFN "
                          "(config.model.mlp.sparse_capacity > 0); set one of them to 0")
+    hetero.validate(m)
     if stream.reads_position:
         POSITIONS.get(m.position).validate(m)
 

@@ -2,13 +2,16 @@
 
 ``Decoder(cfg)(tokens_BT, positions_BT=None, segment_ids_BT=None) -> logits_BTV`` (float32).
 Segment ids mark packed documents (0 = padding); a token attends only within its segment and
-only to earlier slots. Positions restart per document in packed rows.
+only to earlier slots. Positions restart per document in packed rows. With the collection
+``hidden`` mutable, an unscanned decoder sows every layer's output (``hidden/h_{i}``, a 1-tuple).
+``config.model.blocks`` gives each layer its own block (``models/hetero.py``).
 """
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
 
+from icml_jax.models import hetero
 from icml_jax.models.layers import upcast
 from icml_jax.models.residual import RESIDUALS
 
@@ -20,7 +23,7 @@ _REMAT_POLICIES = {
 
 
 def _block_class(cfg):
-    block = RESIDUALS.get(cfg.residual).Block
+    block = hetero.HeteroBlock if hetero.is_hetero(cfg) else RESIDUALS.get(cfg.residual).Block
     if cfg.remat == "none":
         return block
     if cfg.remat not in _REMAT_POLICIES:
@@ -60,8 +63,11 @@ class Decoder(nn.Module):
                             length=c.num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
             h, _ = stack(c, self.decode, name="layers")(h, positions_BT, segment_ids_BT)
         else:
+            extra = (lambda i: {"layer": i}) if hetero.is_hetero(c) else (lambda i: {})
             for i in range(c.num_layers):
-                h, _ = block(c, self.decode, name=f"layer_{i}")(h, positions_BT, segment_ids_BT)
+                h, _ = block(c, self.decode, name=f"layer_{i}", **extra(i))(h, positions_BT, segment_ids_BT)
+                if self.is_mutable_collection("hidden") and not self.is_initializing():
+                    self.sow("hidden", f"h_{i}", h)  # distillation / analysis only
         if last_only:
             h = jax.tree.map(lambda x: x[:, -1:], h)
         if features:

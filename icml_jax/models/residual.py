@@ -19,6 +19,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 import ml_collections
 
+from icml_jax.models import hetero
 from icml_jax.models.attention import Attention
 from icml_jax.models.layers import RMSNorm, constrain, get_dtype, param, upcast
 from icml_jax.models.mlp import ACTIVATIONS, is_gated
@@ -110,18 +111,25 @@ def mlp_matrices(m) -> int:
 
 
 def standard_param_count(m: ml_collections.ConfigDict) -> int:
-    """Exact number of parameters of ``Decoder(m)`` with the standard residual stream."""
-    D, L, H, G, K, F, V = (m.d_model, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim,
-                           m.ffn_dim, m.vocab_size)
-    attn = D * (H + 2 * G) * K + H * K * D
-    norms = 2 * D
+    """Exact number of parameters of ``Decoder(m)`` with the standard residual stream (per layer
+    for a ``config.model.blocks`` layout)."""
+    D, V = m.d_model, m.vocab_size
     io = V * D + D + (0 if m.tie_embeddings else D * V)
-    return L * (attn + mlp_matrices(m) * D * F + norms + position_param_count(m)) + io
+    if hetero.is_hetero(m):
+        pos = [position_param_count(hetero.layer_config(m, i)) if isinstance(a, int) else 0
+               for i, (a, _) in enumerate(hetero.layout(m))]
+        return sum(w + n + p for (w, n), p in zip(hetero.layer_params(m), pos)) + io
+    per_layer = position_param_count(m)
+    L, H, G, K, F = m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.ffn_dim
+    attn = D * (H + 2 * G) * K + H * K * D
+    return L * (attn + mlp_matrices(m) * D * F + 2 * D + per_layer) + io
 
 
 def matmul_params(m: ml_collections.ConfigDict) -> int:
     """Parameters that take part in a matmul per token (excludes the embedding lookup and norms;
     includes the output projection, tied or not)."""
+    if hetero.is_hetero(m):
+        return sum(w for w, _ in hetero.layer_params(m)) + m.d_model * m.vocab_size
     D, L, H, G, K, F, V = (m.d_model, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim,
                            m.ffn_dim, m.vocab_size)
     return L * (D * (H + 2 * G) * K + H * K * D + mlp_matrices(m) * D * F) + D * V
@@ -129,8 +137,9 @@ def matmul_params(m: ml_collections.ConfigDict) -> int:
 
 def standard_train_flops_per_token(m: ml_collections.ConfigDict, seq_len: int) -> float:
     """Exact convention: 6 x matmul params + QK^T and PV (2 matmuls x 2 FLOPs x T x K per head
-    per token, x3 for training, x0.5 causal)."""
-    attn = 3.0 * 2 * 2 * m.num_layers * m.num_heads * m.head_dim * seq_len * 0.5
+    per token, x3 for training, x0.5 causal; only layers with softmax attention)."""
+    layers = hetero.attention_layers(m) if hetero.is_hetero(m) else m.num_layers
+    attn = 3.0 * 2 * 2 * layers * m.num_heads * m.head_dim * seq_len * 0.5
     return 6.0 * matmul_params(m) + attn
 
 

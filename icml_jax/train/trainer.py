@@ -29,6 +29,7 @@ from icml_jax import sharding as mesh_lib
 from icml_jax import tasks
 from icml_jax.analysis.flops import train_flops_per_token
 from icml_jax.models import contract as model_contract
+from icml_jax.models import hetero
 from icml_jax.train import checkpoint as ckpt_lib
 from icml_jax.train import missing_checkpoints
 from icml_jax.train import distributed
@@ -121,6 +122,11 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> tupl
         raise ValueError(f"config.mesh.tensor={shape[2]} does not divide config.model.num_kv_heads="
                          f"{m.num_kv_heads}: tensor parallelism splits the KV heads; pick a tensor "
                          "size that divides them")
+    if hetero.is_hetero(m):
+        odd = sorted({a for a, _ in hetero.layout(m) if isinstance(a, int) and a % shape[2]})
+        if odd:
+            raise ValueError(f"config.mesh.tensor={shape[2]} does not divide the KV heads {odd} of "
+                             "config.model.blocks.attention; pick a tensor size that divides every entry")
     return shape
 
 
