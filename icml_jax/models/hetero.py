@@ -138,14 +138,17 @@ class AttentionPart(nn.Module):
 
 
 class FfnPart(nn.Module):
-    """One FFN variant alone (``mlp_norm`` + ``mlp``): its output, zeros for no-op."""
+    """One FFN variant alone (``mlp_norm`` + ``mlp``): its output, zeros for no-op; with
+    ``with_acts`` also its activations [B, T, F] (None for linear / no-op)."""
     cfg: ml_collections.ConfigDict
     kind: object
+    with_acts: bool = False
 
     @nn.compact
     def __call__(self, h_BTD):
-        y, _ = ffn_part(self, self.cfg, self.kind, h_BTD)
-        return h_BTD * 0 if y is None else y
+        y, acts = ffn_part(self, self.cfg, self.kind, h_BTD)
+        y = h_BTD * 0 if y is None else y
+        return (y, acts) if self.with_acts else y
 
 
 class HeteroBlock(nn.Module):
