@@ -315,6 +315,43 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> tuple[TrainState, 
             lock.release()
 
 
+def save_initial(config: ml_collections.ConfigDict, workdir: str, params) -> str:
+    """Writes ``params`` (a host or device tree of ``config``'s model) as step 0 of a new run of
+    ``config`` in ``workdir``, with fresh optimizer state and the data iterator at its start: the
+    trainer resumes it (e.g. training a compressed model further) and ``config.train.init_from``
+    reads it (e.g. the student of a distillation run). Refuses a workdir that holds checkpoints
+    already, and params of another layout, before anything is written -> ``workdir``."""
+    shape = validate_config(config, jax.device_count())
+    if os.path.isdir(os.path.join(workdir, "checkpoints")) and os.listdir(os.path.join(workdir, "checkpoints")):
+        raise ValueError(f"{workdir} already holds checkpoints; save_initial writes new runs only: "
+                         "pass an empty or new workdir")
+    task = build_task(config, shape)
+    s = setup(config, task)
+    differences = ckpt_lib.tree_differences(params, s.abstract.params, "params.")
+    if differences:
+        raise ValueError(f"save_initial: the params do not fit config.model ({'; '.join(differences[:5])})")
+    os.makedirs(workdir, exist_ok=True)
+    lock = _lock_workdir(workdir)
+    try:
+        state = s.init()
+        state = state.replace(params=jax.tree.map(
+            lambda x, sh, a: jax.device_put(np.asarray(x, a.dtype), sh), params, s.shardings.params,
+            s.abstract.params))
+        shard = distributed.process_rows(mesh_lib.batch_sharding(s.mesh), config.train.batch_size)
+        ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), async_save=False,
+                                     checksums=config.train.checkpoint_checksums)
+        try:
+            ckpt.save(0, state, task.train_iterator(seed=config.seed, shard=shard), _config_dict(config))
+        finally:
+            ckpt.close()
+        if jax.process_index() == 0:
+            write_json(os.path.join(workdir, "config.json"), _config_dict(config))
+    finally:
+        if lock is not None:
+            lock.release()
+    return workdir
+
+
 def _on_process_0(fn, what: str):
     """``fn()`` on process 0 -> its result there (None elsewhere). When it raises, every process
     raises (process 0 the error itself), so none is left waiting in a collective."""

@@ -118,3 +118,30 @@ def test_a_heterogeneous_run_resumes_exactly(tmp_path, session_tfds_dir):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6),
                  state2.params, state.params)
     assert os.path.exists(stopped / "checkpoints" / "4")
+
+
+def test_save_initial_writes_a_step_0_run_that_resumes_and_initialises(tmp_path, session_tfds_dir):
+    from icml_jax.train import trainer
+    from icml_jax.train.checkpoint import restore_model_params
+    from tests.train.helpers import cli_config
+    args = ("--config.train.steps=2", "--config.train.checkpoint_every=2", "--config.train.eval_every=2",
+            "--config.train.samples=0", "--config.model.blocks.attention=1,linear",
+            "--config.model.blocks.ffn=noop,32")
+    cfg = cli_config("configs/lm.py:tiny", *args)
+    cfg.data.data_dir = session_tfds_dir
+    params = _init(cfg.model)
+    params = jax.tree.map(lambda x: np.asarray(x) + 0.5, params)  # not what a fresh init would make
+    wd = str(tmp_path / "child")
+    trainer.save_initial(cfg, wd, params)
+    got, step = restore_model_params(wd, cfg.model)
+    assert step == 0
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), got, params)
+    with pytest.raises(ValueError, match="already holds checkpoints"):
+        trainer.save_initial(cfg, wd, params)
+    bad = _cfg("2,2", "64,64")
+    with pytest.raises(ValueError, match="do not fit config.model"):
+        cfg2 = cli_config("configs/lm.py:tiny", *args[:4])
+        trainer.save_initial(cfg2, str(tmp_path / "other"), _init(bad) | {"extra": {"w": np.zeros(2)}})
+    assert not os.path.exists(tmp_path / "other")
+    summary = train_in_process(wd, *args, data_dir=session_tfds_dir)
+    assert summary["start_step"] == 0 and os.path.exists(os.path.join(wd, "checkpoints", "2"))
