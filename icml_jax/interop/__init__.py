@@ -40,6 +40,13 @@ attention_bias (it also biases o_proj), rope types other than default/linear/lla
 partial_rotary_factor != 1, Qwen2 use_sliding_window / sliding layer_types; on export: non-rope
 positions, non-swiglu MLPs, non-standard residual streams, qkv_bias outside Qwen2, sliding windows
 outside Mistral. Export is single-process (each param is gathered to the host, one at a time).
+
+Heterogeneous children (``config.model.blocks``, Puzzle) export in the parent's uniform shape,
+padded exactly by ``hf.uniform_params``: FFN width F_l < ffn_dim -> zero gate/up columns and down
+rows; G_l KV heads (G_l dividing num_kv_heads = G) -> slot j holds child head j // (G / G_l), q and
+o in their head order; no-op attention / FFN -> norm of ones, zero o_proj / down_proj. The checkpoint
+keeps the child's function, not its savings. ``linear`` blocks, widths above ffn_dim and G_l not
+dividing G are refused before anything is written.
 """
 from icml_jax.interop.hf import Checkpoint, load_hf, save_hf  # noqa: F401
 from icml_jax.interop.hf_config import ARCHITECTURES, from_hf_config, to_hf_config  # noqa: F401

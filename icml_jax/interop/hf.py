@@ -260,15 +260,21 @@ def _check_params(flat, entries: list[Entry], scanned: bool, L: int, optional_bi
         if optional_bias and e.path == ("attn", "qkv_bias"):
             continue
         want[e.our_path(scanned)] = ((L,) + e.our_shape) if scanned and e.layer is not None else e.our_shape
+    _check_shapes(flat, want, "save_hf: params do not match model_cfg")
+
+
+def _check_shapes(flat, want: dict, what: str) -> None:
+    """ValueError(``what`` + the missing / unexpected / wrong-shape leaves) unless ``flat``'s
+    leaves have exactly the shapes ``want`` gives."""
     got = {p: tuple(np.shape(v)) for p, v in flat.items()}
     if want != got:
         missing = sorted("/".join(p) for p in set(want) - set(got))
         extra = sorted("/".join(p) for p in set(got) - set(want))
         bad = [f"{'/'.join(p)}: expected {want[p]}, found {got[p]}"
                for p in sorted(set(want) & set(got)) if want[p] != got[p]]
-        raise ValueError(f"save_hf: params do not match model_cfg (missing {missing[:6]}, "
-                         f"unexpected {extra[:6]}, wrong shape {bad[:6]}); pass the params of "
-                         "Decoder(model_cfg) (the 'params' collection, unboxed)")
+        raise ValueError(f"{what} (missing {missing[:6]}, unexpected {extra[:6]}, wrong shape "
+                         f"{bad[:6]}); pass the params of Decoder(model_cfg) (the 'params' "
+                         "collection, unboxed)")
 
 
 def _shard_groups(entries: list[Entry], itemsize: int, max_bytes: int | None) -> list[list[Entry]]:
@@ -282,6 +288,91 @@ def _shard_groups(entries: list[Entry], itemsize: int, max_bytes: int | None) ->
         groups[-1].append(e)
         size += n
     return groups
+
+
+def uniform_params(model_cfg: ml_collections.ConfigDict, params: dict,
+                   where: str = "uniform_params") -> tuple[ml_collections.ConfigDict, dict]:
+    """A heterogeneous child (``config.model.blocks``, models/hetero.py) in its parent's uniform
+    shape: ``(parent config.model, params of Decoder(parent))`` computing the same function.
+
+    Per layer: an FFN of width F_l < F gets zero gate/up columns and down rows (silu(0) * 0 = 0);
+    G_l < G KV heads become G slots, slot j holding child head j // (G / G_l) (query head h = j*R + r
+    reads slot h // R, whose child head h // R_l is the one it read before; q and o keep their head
+    order); a no-op sub-block becomes a norm of ones with a zero output projection. Exact, but
+    the padded model has the parent's size and cost. Refused (ValueError naming
+    ``config.model.blocks`` and the layer): ``linear`` blocks, widths above ``ffn_dim``, KV-head
+    counts that do not divide ``num_kv_heads``. A homogeneous config is returned unchanged."""
+    from icml_jax.models import build_model, hetero  # pylint: disable=g-import-not-at-top
+    from icml_jax.models.mlp import is_gated  # pylint: disable=g-import-not-at-top
+
+    if not hetero.is_hetero(model_cfg):
+        return model_cfg, params
+    hetero.validate(model_cfg)
+    m = model_cfg
+    G, H, F, D, K = (int(m.num_kv_heads), int(m.num_heads), int(m.ffn_dim), int(m.d_model),
+                     int(m.head_dim))
+    if H % G:
+        raise ValueError(f"{where}: config.model.num_kv_heads={G} does not divide num_heads={H}")
+    lay = hetero.layout(m)
+    for i, (a, f) in enumerate(lay):
+        for key, e in (("attention", a), ("ffn", f)):
+            if e == "linear":
+                raise ValueError(
+                    f"{where}: config.model.blocks.{key} layer {i} is 'linear' (a D x D map), which no "
+                    f"Llama {'attention' if key == 'attention' else 'gated MLP'} computes exactly; only "
+                    "KV-head counts, FFN widths and 'noop' can be exported")
+        if isinstance(a, int) and (a > G or G % a):
+            raise ValueError(f"{where}: config.model.blocks.attention layer {i} has {a} KV heads, which "
+                             f"does not divide the parent's num_kv_heads={G}; a uniform checkpoint "
+                             "with G KV heads holds it exactly only when it does")
+        if isinstance(f, int) and f > F:
+            raise ValueError(f"{where}: config.model.blocks.ffn layer {i} is {f} wide, above the "
+                             f"parent's ffn_dim={F}; set config.model.ffn_dim to the largest width")
+    if "layers" in params:
+        raise ValueError(f"{where}: scanned params ('layers') for a per-layer layout; pass the "
+                         "unscanned layer_{i} tree of Decoder(config.model)")
+    tokens = jnp.zeros((1, min(8, int(m.max_seq_len))), jnp.int32)
+    want = _flat(nn.meta.unbox(jax.eval_shape(
+        lambda r: build_model(m).init(r, tokens)["params"], jax.random.key(0))))
+    flat = _flat(params)
+    _check_shapes(flat, {p: tuple(a.shape) for p, a in want.items()},
+                  f"{where}: params do not match config.model.blocks")
+
+    host = lambda x: np.asarray(jax.device_get(x))  # noqa: E731
+    dt = np.asarray(host(flat[("io", "embedding")])).dtype
+    R = H // G
+    out = {p: host(v) for p, v in flat.items() if not p[0].startswith("layer_")}
+    for i, (a, f) in enumerate(lay):
+        p = f"layer_{i}"
+        if a == "noop":
+            out[(p, "attn_norm", "scale")] = np.ones((D,), dt)
+            out[(p, "attn", "qkv")] = np.zeros((D, G, R + 2, K), dt)
+            out[(p, "attn", "out")] = np.zeros((G, R, K, D), dt)
+            if m.qkv_bias:
+                out[(p, "attn", "qkv_bias")] = np.zeros((G, R + 2, K), dt)
+        else:
+            Rl, rep = H // a, G // a
+            out[(p, "attn_norm", "scale")] = host(flat[(p, "attn_norm", "scale")])
+            w = host(flat[(p, "attn", "qkv")])  # [D, a, Rl+2, K]
+            out[(p, "attn", "qkv")] = np.concatenate(
+                [w[:, :, :Rl].reshape(D, G, R, K), np.repeat(w[:, :, Rl:], rep, axis=1)], axis=2)
+            out[(p, "attn", "out")] = host(flat[(p, "attn", "out")]).reshape(G, R, K, D)
+            if m.qkv_bias:
+                b = host(flat[(p, "attn", "qkv_bias")])  # [a, Rl+2, K]
+                out[(p, "attn", "qkv_bias")] = np.concatenate(
+                    [b[:, :Rl].reshape(G, R, K), np.repeat(b[:, Rl:], rep, axis=0)], axis=1)
+        if f == "noop":
+            out[(p, "mlp_norm", "scale")] = np.ones((D,), dt)
+            out[(p, "mlp", "wi")] = np.zeros((D, 2, F) if is_gated(m.mlp.activation) else (D, F), dt)
+            out[(p, "mlp", "wo")] = np.zeros((F, D), dt)
+        else:
+            out[(p, "mlp_norm", "scale")] = host(flat[(p, "mlp_norm", "scale")])
+            wi, wo = host(flat[(p, "mlp", "wi")]), host(flat[(p, "mlp", "wo")])
+            out[(p, "mlp", "wi")] = np.pad(wi, ((0, 0),) * (wi.ndim - 1) + ((0, F - f),))
+            out[(p, "mlp", "wo")] = np.pad(wo, ((0, F - f), (0, 0)))
+    parent = ml_collections.ConfigDict(m.to_dict() if hasattr(m, "to_dict") else dict(m))
+    parent.blocks.attention = parent.blocks.ffn = ""
+    return parent, _unflat(out)
 
 
 def save_hf(path: str, model_cfg: ml_collections.ConfigDict, params: dict,
@@ -301,6 +392,12 @@ def save_hf(path: str, model_cfg: ml_collections.ConfigDict, params: dict,
             shards plus ``model.safetensors.index.json``.
         bos/eos/pad_token_id: written to config.json when given.
 
+    A heterogeneous child (``config.model.blocks``: Puzzle's per-layer KV heads / FFN widths /
+    no-ops) is written in its parent's uniform Llama shape, padded exactly (``uniform_params``):
+    config.json has num_key_value_heads = ``num_kv_heads`` and intermediate_size = ``ffn_dim``.
+    The export keeps the child's function, not its savings (the padded checkpoint has the parent's
+    parameters, FLOPs and KV cache). ``linear`` blocks are refused before anything is written.
+
     Returns:
         ``path``.
     """
@@ -311,6 +408,7 @@ def save_hf(path: str, model_cfg: ml_collections.ConfigDict, params: dict,
         raise ValueError(f"save_hf: config.model.lowrank={model_cfg.lowrank} (low-rank factors beside "
                          "the kernels) has no Hugging Face layout; fold them in first with "
                          "icml_jax.compress.prune.merged_params(params, model_cfg) and save its result")
+    model_cfg, params = uniform_params(model_cfg, params, "save_hf")  # a Puzzle child, padded
     hf = hf_config.to_hf_config(model_cfg, architecture, dtype, dict(
         bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id))
     d = Dims.of(model_cfg)
