@@ -8,6 +8,8 @@ No model is called in here; tasks (``icml_jax/tasks``) run the models and hand t
   preference  DPO (sigmoid / robust / hinge / IPO) and TGDPO (docs/methods/tgdpo.md)
   implicit_prm  outcome (CE) loss on a log-ratio reward, prefix values and step rewards, scoring
               (docs/methods/implicit_prm.md)
+  distill     Puzzle's global distillation: per-layer cosine + KL(parent || child) (+ CE)
+              (docs/methods/puzzle.md)
 """
 from icml_jax.losses import implicit_prm
 from icml_jax.losses.logps import (log_normalizer, response_token_logps, sequence_logps,

@@ -153,14 +153,15 @@ def identity_arrays(segment_ids, span_pad: int):
                 voc_truncated=np.zeros((N, T), bool))
 
 
-def read_teacher_config(workdir: str) -> ml_collections.ConfigDict:
-    """The teacher run's saved config (``WORKDIR/config.json``, completed with newer keys)."""
+def read_teacher_config(workdir: str, key: str = "config.loss.voc_teacher") -> ml_collections.ConfigDict:
+    """The teacher run's saved config (``WORKDIR/config.json``, completed with newer keys); the
+    one-line error names ``key``, the config key that gave ``workdir``."""
     path = os.path.join(workdir, "config.json")
     try:
         with open(path) as f:
             return ml_collections.ConfigDict(complete_config(json.load(f)))
     except (OSError, ValueError) as e:
-        raise ValueError(f"config.loss.voc_teacher={workdir!r}: cannot read its config.json ({e}); "
+        raise ValueError(f"{key}={workdir!r}: cannot read its config.json ({e}); "
                          "point it at a finished training workdir") from e
 
 
