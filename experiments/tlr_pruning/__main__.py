@@ -24,7 +24,8 @@ import sys
 import numpy as np
 
 from experiments.common import (gate_lines, git_commit, markdown_table, mean_spread, pm, preset, record,
-                                run_overrides, save_figure, start, train_run, write_atomic, write_csv, write_json)
+                                run_overrides, save_figure, start, train_run, unigram_entropy, write_atomic,
+                                write_csv, write_json)
 
 QUIET = {"train.samples": 0, "train.progress": False}
 PRESETS = {
@@ -142,7 +143,7 @@ def main(argv=None):
                                         val_nll=nll, val_ppl=float(np.exp(nll))))
                     print(f"[tlr] {pattern} {sparsity} {method} seed {seed} {arm} k={k}: ppl "
                           f"{np.exp(nll):.3f} ({elapsed() / 60:.1f} min)", flush=True)
-    freq = _unigram_entropy(task)
+    freq = unigram_entropy(task)
     worst = [r for r in results if r["arm"] == "prune only" and r["sparsity"] == max(s for _, s in exp.settings)]
     damage = float(np.mean([r["val_ppl"] for r in worst])) / float(np.exp(dense_nll))
     gates = {f"dense model learned (val NLL {dense_nll:.3f} < unigram entropy {freq:.3f})": bool(dense_nll < freq),
@@ -155,18 +156,6 @@ def main(argv=None):
     plot(exp, results, os.path.join(wd, "ppl.png"))
     print(open(os.path.join(wd, "results.md")).read())
     return results
-
-
-def _unigram_entropy(task) -> float:
-    """Entropy (nats) of the byte frequencies of a few training batches: a model below it learned
-    more than letter frequencies."""
-    it = task.train_iterator(seed=0, shard=(0, 1))
-    counts = np.zeros(task.config.model.vocab_size)
-    for _ in range(8):
-        b = next(it)
-        np.add.at(counts, b["targets"][b["segment_ids"] > 0], 1)
-    p = counts[counts > 0] / counts.sum()
-    return float(-(p * np.log(p)).sum())
 
 
 def summary(exp, results):

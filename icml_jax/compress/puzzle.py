@@ -420,7 +420,8 @@ def child_params(m, params, vparams: Mapping, choice: Sequence[tuple]) -> dict:
             if v.name not in vparams:
                 raise ValueError(f"variant {v.name} is not in the block library")
             tree.update(_pick(vparams, v, layer))
-        out[f"layer_{layer}"] = tree
+        if tree:  # a no-op / no-op layer has no params at all
+            out[f"layer_{layer}"] = tree
     return out
 
 
