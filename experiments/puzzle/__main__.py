@@ -10,13 +10,14 @@ compressions at the same parameter and KV-cache budget, before and after global 
    layer trained by BLD at once from the parent's own sub-block inputs (``bld_steps`` steps).
 3. Scores: replace-1-block KL(parent || swapped) of every (attention, FFN) pair in every layer on
    held-out rows (the first ``score_batches`` validation batches; the metrics below use the rest).
-   Costs: exact block parameters (weights + norms) and KV bytes per token; the jitted variants'
-   latency is measured and recorded.
+   Costs: exact block parameters (weights + norms) and KV bytes per token; latency: the median time
+   of each jitted variant on a [decode.batch, 1, D] input (a per-token decode proxy, no cache read).
 4. Children, each a ``config.model.blocks`` layout built from the same BLD-trained blocks:
    uniform baselines (every layer the same (KV heads, FFN width)), layer dropping (the last or the
    middle layers as no-op / no-op) and, for every baseline's budget (parameters <= its, KV bytes
-   <= its), the MIP's Puzzle child under the same budget. The headline budget is 50% of the
-   parent's block parameters and 50% of its KV cache.
+   <= its), the MIP's Puzzle child under the same budget; with ``latency_child`` also one under
+   the first uniform baseline's parameters, KV and summed variant latency. The headline budget is
+   50% of the parent's block parameters and 50% of its KV cache.
 5. Metrics on held-out validation rows: perplexity (per byte) and KL(parent || child) per token;
    greedy decode tokens/s (batch ``decode.batch``, median of ``decode.repeats``) measured here.
    Then global distillation (task ``gkd``: cosine on every layer's hidden state + KL on the logits,
@@ -52,6 +53,7 @@ PRESETS = {
                             eval_batches=3, checkpoint_every=30)),
         attention=(1, "linear", "noop"), ffn=(32, 16, "linear", "noop"), bld_steps=8, bld_lr=3e-3,
         calib_rows=8, score_batches=1, uniform=((1, 32),), drop=("last",), budget=(0.5, 0.5),
+        latency_child=True, latency_repeats=3,
         gkd_steps=4, gkd_lr=3e-3, gkd_seeds=(0,), gkd_arms=("Puzzle @ 50% / 50%", "drop last"),
         decode=dict(batch=2, prompt=8, new=8, repeats=1), gate_drop_kl=0.0),
     "default": preset(
@@ -62,12 +64,14 @@ PRESETS = {
                             eval_batches=12, checkpoint_every=800)),
         attention=(2, 1, "linear", "noop"), ffn=(256, 192, 128, 64, "linear", "noop"), bld_steps=300,
         bld_lr=2e-3, calib_rows=32, score_batches=4, uniform=((2, 192), (1, 192)), drop=("last", "middle"),
+        latency_child=True, latency_repeats=50,
         budget=(0.5, 0.5), gkd_steps=150, gkd_lr=1e-3, gkd_seeds=(0, 1, 2), gkd_arms=(),
         decode=dict(batch=8, prompt=32, new=64, repeats=15), gate_drop_kl=0.05),
 }
 FIELDS = ("child", "kind", "layout_attention", "layout_ffn", "params", "params_share", "kv_bytes", "kv_share",
           "stage", "gkd_seed", "val_nll", "val_ppl", "kl_to_parent", "decode_tok_s")
 HEADLINE = "Puzzle @ 50% / 50%"
+LATENCY = "+ latency"
 
 
 def parent_config(exp):
@@ -107,6 +111,11 @@ def children(P, m, exp, lib, solve):
         if name.startswith("uniform"):
             c = P.choice_costs(m, choice)
             budgets.append((f"Puzzle @ {name}", {"stats.params": c["params"], "stats.kv_bytes": c["kv_bytes"]}))
+    if exp.latency_child and exp.uniform:  # the first uniform baseline's budget, its latency too
+        name, _, choice = out[0]
+        lat = sum(lib[layer][P.pair_name(P.Variant(P.ATTN, a), P.Variant(P.FFN, f))]["stats"]["latency"]
+                  for layer, (a, f) in enumerate(choice))
+        budgets.append((f"Puzzle @ {name} {LATENCY}", {**budgets[1][1], "stats.latency": lat}))
     for name, budget in budgets:
         chosen, _, _ = solve(lib, "metrics.kl_div", budget)
         out.append((name, "puzzle", [lib[layer][chosen[layer]]["choice"] for layer in range(L)]))
@@ -159,7 +168,9 @@ def main(argv=None):
     after = {k: np.asarray(x) for k, x in bld_eval(vparams, score_batch).items()}
     bld_minutes = (time.time() - t0) / 60
     scores = P.score_pairs(m, params, vparams, P.pairs_for(library, "joint", m), score_batch)
-    latency = {v.name: P.measure_latency(m, v, vparams, exp.decode.batch, cfg.data.seq_len) for v in library}
+    # per-token decode proxy: the jitted sub-block on [decode.batch, 1, D] (no cache read)
+    latency = {v.name: P.measure_latency(m, v, vparams, exp.decode.batch, 1, repeats=exp.latency_repeats)
+               for v in library}
     lib = P.build_library(m, library, scores, scoring="joint", latency=latency)
     lib_rows = [dict(layer=layer, pair=name, kl_div=st["metrics"]["kl_div"], params=st["stats"]["params"],
                      kv_bytes=st["stats"]["kv_bytes"], latency_ms=1e3 * st["stats"]["latency"])
@@ -315,7 +326,7 @@ def report(exp, rows, bld_rows, gates, minutes, parent_minutes, bld_minutes):
     for n in names:
         if not n.startswith("Puzzle @ "):
             continue
-        budget_of = n[len("Puzzle @ "):]  # a baseline's name, or the headline's 50% / 50%
+        budget_of = n[len("Puzzle @ "):].replace(f" {LATENCY}", "")  # a baseline's name, or 50% / 50%
         rivals = [budget_of] if budget_of in names else [x for x in names if x.startswith("drop")]
         for rival in rivals:
             for stage in ("BLD blocks", "after GKD"):

@@ -154,3 +154,17 @@ def test_bad_variants_and_parents_fail_clearly():
     m.scan_layers = True
     with pytest.raises(ValueError, match="homogeneous parent"):
         P.check_parent(m)
+
+
+def test_an_imported_hf_checkpoint_is_a_parent(parent, tmp_path):
+    """A Llama folder read by load_hf (here: our parent written by save_hf) runs the whole library
+    path: its params initialise the variants and its own blocks score 0."""
+    from icml_jax.interop.hf import load_hf, save_hf
+    m, params, _, _ = parent
+    save_hf(str(tmp_path / "llama"), m, params, "LlamaForCausalLM")
+    hm, hp = load_hf(str(tmp_path / "llama"))
+    hp = jax.tree.map(np.asarray, meta.unbox(hp))
+    lib = P.variants(hm, attention=(1,), ffn=(32,))
+    vp = P.init_library(hm, hp, lib, _batch(99, B=4))
+    s = P.score_pairs(hm, hp, vp, P.pairs_for(lib, "summed", hm), _batch(5), layers=[1])
+    assert abs(s[(1, f"kv{hm.num_kv_heads}", f"ffn{hm.ffn_dim}")]) < 1e-6 and s[(1, "kv1", f"ffn{hm.ffn_dim}")] > 0

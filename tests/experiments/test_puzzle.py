@@ -17,7 +17,7 @@ def test_puzzle_tiny_outputs(tmp_path, monkeypatch):
     before = [r for r in rows if r["stage"] == "BLD blocks"]
     names = [r["child"] for r in before]
     # baselines, then a Puzzle child per budget (the headline and each uniform baseline's)
-    assert len(names) == len(exp.uniform) + len(exp.drop) + 1 + len(exp.uniform)
+    assert len(names) == len(exp.uniform) + len(exp.drop) + 1 + len(exp.uniform) + int(exp.latency_child)
     head = next(r for r in before if r["child"] == HEADLINE)
     assert float(head["params_share"]) <= exp.budget[0] + 1e-9 and float(head["kv_share"]) <= exp.budget[1] + 1e-9
     for u in exp.uniform:
@@ -32,4 +32,14 @@ def test_puzzle_tiny_outputs(tmp_path, monkeypatch):
     assert len(lib) == exp.run.model.num_layers * pairs
     own = [r for r in lib if r["pair"] == "kv2+ffn64"]
     assert all(abs(float(r["kl_div"])) < 1e-6 for r in own)  # the parent's own blocks cost nothing
+    lat = {(int(r["layer"]), r["pair"]): float(r["latency_ms"]) for r in lib}
+
+    def summed(row):
+        name = lambda k, part: (f"kv{k}" if part == "a" else f"ffn{k}") if k.isdigit() else (  # noqa: E731
+            f"{'attn' if part == 'a' else 'ffn'}_{k}")
+        pairs = zip(row["layout_attention"].split(","), row["layout_ffn"].split(","))
+        return sum(lat[(i, f"{name(a, 'a')}+{name(f, 'f')}")] for i, (a, f) in enumerate(pairs))
+    u = exp.uniform[0]
+    fast = next(r for r in before if r["child"].endswith("+ latency"))
+    assert summed(fast) <= summed(next(r for r in before if r["child"] == f"uniform KV {u[0]}, FFN {u[1]}")) * (1 + 1e-6)
     assert "Gates:" in open(os.path.join(wd, "results.md")).read()
