@@ -379,28 +379,33 @@ def plot(rows, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8.5))
     parent = rows[0]
+    names = list(dict.fromkeys(r["child"] for r in rows if r["kind"] != "parent"))
+    tags = {n: f"{'P' if n.startswith('Puzzle') else 'B'}{i + 1}" for i, n in enumerate(names)}
     for col, stage in enumerate(("BLD blocks", "after GKD")):
         for row, (metric, idx, label) in enumerate((("kl_to_parent", 0, "KL(parent || child) per token"),
                                                     ("val_ppl", 1, "validation perplexity (per byte)"))):
             ax = axes[row][col]
-            for n in dict.fromkeys(r["child"] for r in rows[1:]):
+            for n in names:
                 a = _agg(rows, n, stage)
                 if a is None:
                     continue
                 r = a[2]
                 color = "tab:red" if r["kind"] == "puzzle" else "tab:blue"
                 ax.errorbar(r["decode_tok_s"], a[idx][0], yerr=a[idx][1], fmt="o", color=color)
-                ax.annotate(f"{n} ({r['params_share']:.2f}P, {r['kv_share']:.2f}KV)",
-                            (r["decode_tok_s"], a[idx][0]), fontsize=6)
+                ax.annotate(tags[n], (r["decode_tok_s"], a[idx][0]), fontsize=7, xytext=(3, 3),
+                            textcoords="offset points")
             if metric == "val_ppl":
                 ax.axhline(parent["val_ppl"], color="gray", ls="--", lw=0.8)
             ax.axvline(parent["decode_tok_s"], color="gray", ls=":", lw=0.8)
             ax.set_xlabel("decode tokens/s (measured; dotted: parent)")
             ax.set_ylabel(label)
             ax.set_title(f"{stage} (red: Puzzle, blue: uniform / layer drop)", fontsize=9)
-    fig.tight_layout()
+    key = [f"{tags[n]}: {n} ({r['params_share']:.2f} params, {r['kv_share']:.2f} KV)"
+           for n in names for r in [next(x for x in rows if x["child"] == n)]]
+    fig.text(0.01, 0.005, "\n".join(key), fontsize=6.5, va="bottom")
+    fig.tight_layout(rect=(0, 0.03 + 0.018 * len(key), 1, 1))
     save_figure(fig, path)
 
 
