@@ -32,8 +32,10 @@ the library has nothing to choose between. Outputs: DIR/results.csv, DIR/library
 DIR/bld.csv, DIR/results.md, DIR/pareto.png (KL and perplexity against decode tokens/s),
 DIR/config.json.
 """
+import hashlib
 import json
 import os
+import shutil
 import sys
 import time
 
@@ -122,6 +124,17 @@ def children(P, m, exp, lib, solve):
     return out, full
 
 
+def params_digest(tree) -> str:
+    """A hash of a param tree's leaves (paths, shapes, bytes)."""
+    import jax
+    h = hashlib.sha256()
+    for path, x in sorted(jax.tree_util.tree_leaves_with_path(tree), key=lambda t: str(t[0])):
+        x = np.ascontiguousarray(np.asarray(x))
+        h.update(f"{path}{x.shape}{x.dtype}".encode())
+        h.update(x.tobytes())
+    return h.hexdigest()[:16]
+
+
 def main(argv=None):
     args, exp, elapsed = start(__doc__, PRESETS, argv)
     import jax
@@ -161,11 +174,11 @@ def main(argv=None):
         calib = {k: np.concatenate([calib[k], v]) for k, v in next(it).items()}
     vparams = P.init_library(m, params, library, {k: jnp.asarray(v[:exp.calib_rows]) for k, v in calib.items()})
     batches = ({k: jnp.asarray(v) for k, v in next(it).items()} for _ in iter(int, 1))
-    bld_eval = jax.jit(lambda v, b: P.bld_losses(m, params, library, v, b))
-    before = {k: np.asarray(x) for k, x in bld_eval(vparams, score_batch).items()}
+    bld_eval = jax.jit(lambda p, v, b: P.bld_losses(m, p, library, v, b))
+    before = {k: np.asarray(x) for k, x in bld_eval(params, vparams, score_batch).items()}
     vparams, _ = P.train_bld(m, params, library, vparams, batches, steps=exp.bld_steps, lr=exp.bld_lr,
                              log_every=max(1, exp.bld_steps // 4), log=lambda s: print(s, flush=True))
-    after = {k: np.asarray(x) for k, x in bld_eval(vparams, score_batch).items()}
+    after = {k: np.asarray(x) for k, x in bld_eval(params, vparams, score_batch).items()}
     bld_minutes = (time.time() - t0) / 60
     scores = P.score_pairs(m, params, vparams, P.pairs_for(library, "joint", m), score_batch)
     # per-token decode proxy: the jitted sub-block on [decode.batch, 1, D] (no cache read)
@@ -253,8 +266,19 @@ def main(argv=None):
         init_dir = os.path.join(wd, "children", slug)
         child_run_cfg = parent_config(exp)
         child_run_cfg.model = cm
-        if not os.path.isdir(os.path.join(init_dir, "checkpoints")):
+        # the child's step-0 run is reused only if it holds these very params (same layout and
+        # blocks); otherwise it and its GKD runs are made again
+        key = {"layout": [cm.blocks.attention, cm.blocks.ffn], "params": params_digest(cp)}
+        key_path = os.path.join(init_dir, "child_key.json")
+        if os.path.isdir(init_dir) and (not os.path.exists(key_path) or json.load(open(key_path)) != key):
+            stale, gkd_root = [init_dir], os.path.join(wd, "gkd")
+            if os.path.isdir(gkd_root):
+                stale += [os.path.join(gkd_root, d) for d in os.listdir(gkd_root) if d.startswith(slug + "_lm")]
+            for d in stale:
+                shutil.rmtree(d)
+        if not os.path.isdir(init_dir):
             save_initial(child_run_cfg, init_dir, cp)
+            write_json(key_path, key)
         for seed in exp.gkd_seeds:
             gcfg = gkd_config(cfg, cm, parent_dir, init_dir, exp, seed, lm_weight)
             run_dir = os.path.join(wd, "gkd", f"{slug}_lm{lm_weight:g}_s{seed}")

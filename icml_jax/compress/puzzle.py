@@ -35,10 +35,12 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
+from flax.core import meta
 
 from icml_jax.compress import puzzle_blocks as blocks
 from icml_jax.losses.logps import token_logprobs
 from icml_jax.models import hetero
+from icml_jax.models.positions import position_param_count
 from icml_jax.models.residual import StandardIO
 
 ATTN, FFN = "attention", "ffn"
@@ -59,18 +61,30 @@ class Variant:
         return self.kind == (m.num_kv_heads if self.part == ATTN else m.ffn_dim)
 
 
+def _kind(k, part: str):
+    """A variant entry as ``config.model.blocks`` reads it: a positive integer (also given as a
+    string, as a command line gives it), "linear" or "noop"."""
+    text = str(k).strip()
+    if text in hetero.KINDS:
+        return text
+    if isinstance(k, bool) or not text.isdigit() or int(text) < 1 or (isinstance(k, float) and k != int(k)):
+        raise ValueError(f"{part} variant {k!r}: use a positive integer "
+                         f"({'KV heads' if part == ATTN else 'FFN width'}), 'linear' or 'noop'")
+    return int(text)
+
+
 def variants(m, attention: Sequence = (), ffn: Sequence = ()) -> list[Variant]:
-    """The library's variants, the parent's own sizes always included (first)."""
+    """The library's variants, the parent's own sizes always included (first). Raises ValueError
+    for an entry that is not a positive integer / linear / noop, KV heads that do not divide the
+    parent's, and widths above the parent's, before any compute."""
     out = [Variant(ATTN, m.num_kv_heads), Variant(FFN, m.ffn_dim)]
     for part, kinds in ((ATTN, attention), (FFN, ffn)):
         for k in kinds:
-            v = Variant(part, k if isinstance(k, str) else int(k))
-            if isinstance(v.kind, str) and v.kind not in hetero.KINDS:
-                raise ValueError(f"variant {k!r}: use an integer, 'linear' or 'noop'")
+            v = Variant(part, _kind(k, part))
             if v not in out:
                 out.append(v)
     for v in out:
-        if v.part == ATTN and isinstance(v.kind, int) and (m.num_kv_heads % v.kind or v.kind > m.num_kv_heads):
+        if v.part == ATTN and isinstance(v.kind, int) and (v.kind > m.num_kv_heads or m.num_kv_heads % v.kind):
             raise ValueError(f"attention variant {v.kind} KV heads must divide the parent's "
                              f"{m.num_kv_heads} (new heads are means of parent groups)")
         if v.part == FFN and isinstance(v.kind, int) and v.kind > m.ffn_dim:
@@ -79,21 +93,32 @@ def variants(m, attention: Sequence = (), ffn: Sequence = ()) -> list[Variant]:
 
 
 def check_parent(m) -> None:
+    """Raises ValueError unless ``m`` is a parent Puzzle can take apart."""
     if m.get("scan_layers", False) or m.get("residual", "standard") != "standard" or hetero.is_hetero(m) \
             or int(m.get("lowrank", 0) or 0):
         raise ValueError("Puzzle needs a homogeneous parent: an unscanned standard decoder "
                          "(config.model.scan_layers=False, residual='standard', blocks '' and lowrank=0)")
+    if position_param_count(m):
+        raise ValueError(f"Puzzle's variants cannot carry per-layer position params yet "
+                         f"(config.model.position={m.position!r} has {position_param_count(m)} per layer); "
+                         "use a parent with rope / alibi / nope")
+
+
+def _plain_config(m) -> ml_collections.ConfigDict:
+    """A mutable copy of ``m`` with ``blocks`` present and empty (old configs have no key)."""
+    c = ml_collections.ConfigDict(m.to_dict())
+    c.blocks = ml_collections.ConfigDict(dict(attention="", ffn=""))
+    return c
 
 
 def variant_config(m, v: Variant):
     """``config.model`` as the variant's module reads it."""
-    c = ml_collections.ConfigDict(m.to_dict())
+    c = _plain_config(m)
     if isinstance(v.kind, int):
         if v.part == ATTN:
             c.num_kv_heads = v.kind
         else:
             c.ffn_dim = v.kind
-    c.blocks.attention = c.blocks.ffn = ""
     c.scan_layers = False
     return ml_collections.FrozenConfigDict(c)
 
@@ -203,6 +228,7 @@ def calibration(m, params, batch) -> list[dict]:
 def init_library(m, params, library: Sequence[Variant], calib_batch) -> dict:
     """{variant name: params stacked over layers [L, ...]} (no-op variants: {})."""
     check_parent(m)
+    params = meta.unbox(params)
     calib = calibration(m, params, calib_batch)
     return {v.name: stacked([init_variant(m, layer, v, c) for layer, c in zip(_layers(params, m), calib)])
             if v.kind != "noop" else {} for v in library}
@@ -253,7 +279,7 @@ def train_bld(m, params, library: Sequence[Variant], vparams: Mapping, batches, 
     opt = tx.init(theta)
 
     @jax.jit
-    def step(theta, opt, batch):
+    def step(theta, opt, params, batch):  # the parent is an argument: never an HLO constant
         io = parent_io(m, params, batch)
         io = jax.tree.map(jax.lax.stop_gradient, io)
 
@@ -267,7 +293,7 @@ def train_bld(m, params, library: Sequence[Variant], vparams: Mapping, batches, 
 
     history = []
     for i in range(steps):
-        theta, opt, per = step(theta, opt, next(batches))
+        theta, opt, per = step(theta, opt, params, next(batches))
         if log_every and (i % log_every == 0 or i == steps - 1):
             row = {k: float(np.mean(np.asarray(v))) for k, v in per.items()}
             history.append((i, row))
@@ -402,7 +428,7 @@ def child_config(m, choice: Sequence[tuple]):
     """``config.model`` of the child: ``choice`` is one (attention kind, FFN kind) per layer."""
     if len(choice) != m.num_layers:
         raise ValueError(f"a child needs one (attention, ffn) choice per layer ({m.num_layers}), got {len(choice)}")
-    c = ml_collections.ConfigDict(m.to_dict())
+    c = _plain_config(m)
     c.blocks.attention = ",".join(str(a) for a, _ in choice)
     c.blocks.ffn = ",".join(str(f) for _, f in choice)
     hetero.validate(c)

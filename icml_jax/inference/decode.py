@@ -111,7 +111,8 @@ def init_cache(model, batch: int, size: int):
     """The model's zero ``cache`` collection for [batch, size] (shapes from ``eval_shape``, so no
     dummy forward or param init is ever run)."""
     dummy = jnp.zeros((batch, size), jnp.int32)
-    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), dummy)["cache"])
+    # a model without softmax attention (e.g. a Puzzle child of linear / no-op layers) has none
+    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), dummy).get("cache", {}))
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 

@@ -23,7 +23,11 @@ _REMAT_POLICIES = {
 
 
 def _block_class(cfg):
-    block = hetero.HeteroBlock if hetero.is_hetero(cfg) else RESIDUALS.get(cfg.residual).Block
+    if hetero.is_hetero(cfg):
+        hetero.validate(cfg)  # e.g. a scanned stack would repeat one layer's layout
+        block = hetero.HeteroBlock
+    else:
+        block = RESIDUALS.get(cfg.residual).Block
     if cfg.remat == "none":
         return block
     if cfg.remat not in _REMAT_POLICIES:

@@ -175,19 +175,21 @@ class HeteroBlock(nn.Module):
 # ----------------------------------------------------------------------------- accounting
 
 def sub_block_params(m, kind, part: str) -> tuple[int, int]:
-    """(matmul weights, norm weights) of one sub-block variant ("attention" | "ffn")."""
+    """(matmul weights, other params: the norm's, plus the q/k/v biases of ``qkv_bias`` models) of
+    one sub-block variant ("attention" | "ffn")."""
     D = m.d_model
     if kind == "noop":
         return 0, 0
     if kind == "linear":
         return D * D, D
     if part == "attention":
-        return D * (m.num_heads + 2 * kind) * m.head_dim + m.num_heads * m.head_dim * D, D
+        bias = (m.num_heads + 2 * kind) * m.head_dim if m.get("qkv_bias", False) else 0
+        return D * (m.num_heads + 2 * kind) * m.head_dim + m.num_heads * m.head_dim * D, D + bias
     return (3 if is_gated(m.mlp.activation) else 2) * D * kind, D
 
 
 def layer_params(m) -> list[tuple[int, int]]:
-    """[(matmul weights, norm weights)] per layer of ``config.model``'s layout."""
+    """[(matmul weights, other params)] per layer of ``config.model``'s layout."""
     out = []
     for a, f in layout(m):
         (ma, na), (mf, nf) = sub_block_params(m, a, "attention"), sub_block_params(m, f, "ffn")

@@ -121,7 +121,7 @@ def standard_param_count(m: ml_collections.ConfigDict) -> int:
         return sum(w + n + p for (w, n), p in zip(hetero.layer_params(m), pos)) + io
     per_layer = position_param_count(m)
     L, H, G, K, F = m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.ffn_dim
-    attn = D * (H + 2 * G) * K + H * K * D
+    attn = D * (H + 2 * G) * K + H * K * D + ((H + 2 * G) * K if m.get("qkv_bias", False) else 0)
     return L * (attn + mlp_matrices(m) * D * F + 2 * D + per_layer) + io
 
 

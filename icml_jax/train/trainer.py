@@ -319,12 +319,16 @@ def save_initial(config: ml_collections.ConfigDict, workdir: str, params) -> str
     """Writes ``params`` (a host or device tree of ``config``'s model) as step 0 of a new run of
     ``config`` in ``workdir``, with fresh optimizer state and the data iterator at its start: the
     trainer resumes it (e.g. training a compressed model further) and ``config.train.init_from``
-    reads it (e.g. the student of a distillation run). Refuses a workdir that holds checkpoints
-    already, and params of another layout, before anything is written -> ``workdir``."""
+    reads it (e.g. the student of a distillation run). Refuses a workdir that holds committed
+    checkpoints already (an unfinished save of a crashed call is no checkpoint: a retry works),
+    and params of another layout, before anything is written -> ``workdir``."""
     shape = validate_config(config, jax.device_count())
-    if os.path.isdir(os.path.join(workdir, "checkpoints")) and os.listdir(os.path.join(workdir, "checkpoints")):
-        raise ValueError(f"{workdir} already holds checkpoints; save_initial writes new runs only: "
-                         "pass an empty or new workdir")
+
+    def check_unused():
+        if workdir_lib.committed_steps(os.path.join(workdir, "checkpoints")):
+            raise ValueError(f"{workdir} already holds checkpoints; save_initial writes new runs only: "
+                             "pass an empty or new workdir")
+    check_unused()
     task = build_task(config, shape)
     s = setup(config, task)
     differences = ckpt_lib.tree_differences(params, s.abstract.params, "params.")
@@ -333,6 +337,7 @@ def save_initial(config: ml_collections.ConfigDict, workdir: str, params) -> str
     os.makedirs(workdir, exist_ok=True)
     lock = _lock_workdir(workdir)
     try:
+        check_unused()  # again, now that no other run can be writing it
         state = s.init()
         state = state.replace(params=jax.tree.map(
             lambda x, sh, a: jax.device_put(np.asarray(x, a.dtype), sh), params, s.shardings.params,

@@ -49,10 +49,11 @@ def parent():
 @pytest.fixture(scope="module")
 def trained(parent):
     m, params, library, vparams = parent
-    before = jax.jit(lambda v, b: P.bld_losses(m, params, library, v, b))(vparams, _batch(7))
+    losses = jax.jit(lambda p, v, b: P.bld_losses(m, p, library, v, b))
+    before = losses(params, vparams, _batch(7))
     out, history = P.train_bld(m, params, library, vparams, _batches(), steps=40, lr=3e-3, warmup=5,
                                log_every=0)
-    after = jax.jit(lambda v, b: P.bld_losses(m, params, library, v, b))(out, _batch(7))
+    after = losses(params, out, _batch(7))
     return out, before, after
 
 
@@ -112,15 +113,17 @@ def test_a_child_of_the_parents_blocks_is_the_parent_and_others_run(parent, trai
     cm = P.child_config(m, choice)
     cp = P.child_params(m, params, vparams, choice)
     assert sum(x.size for x in jax.tree.leaves(cp)) == standard_param_count(cm)
-    # the joint replace-1-block score of layer 0's pair is the KL of this one-swap model
-    one = [(1, "linear"), (2, 64)]
-    lg = build_model(P.child_config(m, one)).apply({"params": P.child_params(m, params, vparams, one)},
-                                                   b["inputs"], b["positions"], b["segment_ids"])
-    lp, lq = jax.nn.log_softmax(want, -1), jax.nn.log_softmax(lg, -1)
-    w = np.asarray(b["segment_ids"] > 0)
-    kl = float((np.asarray(jnp.sum(jnp.exp(lp) * (lp - lq), -1)) * w).sum() / w.sum())
-    s = P.score_pairs(m, params, vparams, [(P.Variant(P.ATTN, 1), P.Variant(P.FFN, "linear"))], b, layers=[0])
-    np.testing.assert_allclose(s[(0, "kv1", "ffn_linear")], kl, rtol=1e-4, atol=1e-7)
+    # the joint replace-1-block score of a layer's pair is the KL of the one-swap model, either layer
+    s = P.score_pairs(m, params, vparams, [(P.Variant(P.ATTN, 1), P.Variant(P.FFN, "linear"))], b)
+    for layer in range(2):
+        one = [(2, 64)] * 2
+        one[layer] = (1, "linear")
+        lg = build_model(P.child_config(m, one)).apply({"params": P.child_params(m, params, vparams, one)},
+                                                       b["inputs"], b["positions"], b["segment_ids"])
+        lp, lq = jax.nn.log_softmax(want, -1), jax.nn.log_softmax(lg, -1)
+        w = np.asarray(b["segment_ids"] > 0)
+        kl = float((np.asarray(jnp.sum(jnp.exp(lp) * (lp - lq), -1)) * w).sum() / w.sum())
+        np.testing.assert_allclose(s[(layer, "kv1", "ffn_linear")], kl, rtol=1e-4, atol=1e-7)
 
 
 @pytest.mark.parametrize("scoring", ["joint", "summed"])
@@ -168,3 +171,23 @@ def test_an_imported_hf_checkpoint_is_a_parent(parent, tmp_path):
     vp = P.init_library(hm, hp, lib, _batch(99, B=4))
     s = P.score_pairs(hm, hp, vp, P.pairs_for(lib, "summed", hm), _batch(5), layers=[1])
     assert abs(s[(1, f"kv{hm.num_kv_heads}", f"ffn{hm.ffn_dim}")]) < 1e-6 and s[(1, "kv1", f"ffn{hm.ffn_dim}")] > 0
+
+
+@pytest.mark.parametrize("attention,ffn,msg", [((0,), (), "positive integer"), ((-1,), (), "positive integer"),
+                                               ((), (0,), "positive integer"), ((), (2.5,), "positive integer"),
+                                               ((), ("wide",), "positive integer")])
+def test_variant_entries_are_checked_before_any_work(attention, ffn, msg):
+    with pytest.raises(ValueError, match=msg):
+        P.variants(_model(), attention=attention, ffn=ffn)
+    got = P.variants(_model(), attention=("1",), ffn=("32", "linear"))  # command-line strings
+    assert [v.name for v in got] == ["kv2", "ffn64", "kv1", "ffn32", "ffn_linear"]
+
+
+def test_fope_parents_and_configs_without_blocks_are_handled():
+    m = _model()
+    m.position = "fope"
+    with pytest.raises(ValueError, match="per-layer position params"):
+        P.check_parent(m)
+    m = _model()
+    del m["blocks"]
+    assert P.child_config(m, P.uniform_choice(m, 1, 32)).blocks.ffn == "32,32"

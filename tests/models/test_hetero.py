@@ -145,3 +145,24 @@ def test_save_initial_writes_a_step_0_run_that_resumes_and_initialises(tmp_path,
     assert not os.path.exists(tmp_path / "other")
     summary = train_in_process(wd, *args, data_dir=session_tfds_dir)
     assert summary["start_step"] == 0 and os.path.exists(os.path.join(wd, "checkpoints", "2"))
+
+
+def test_counts_include_qkv_biases_and_a_model_without_attention_decodes():
+    m = _cfg("1,2", "32,64")
+    m.qkv_bias = True
+    assert sum(x.size for x in jax.tree.leaves(_init(m))) == standard_param_count(m)
+    parent = _cfg()
+    parent.qkv_bias = True
+    assert sum(x.size for x in jax.tree.leaves(_init(parent))) == standard_param_count(parent)
+    m = _cfg("linear,noop", "32,noop")  # no softmax attention anywhere: no KV cache at all
+    p = _init(m)
+    out = generate(m, p, [[5, 6, 7]], key=jax.random.key(0), max_new_tokens=3, temperature=0)
+    full = build_model(m).apply({"params": p}, jnp.asarray([[5, 6, 7] + list(out.tokens[0])]))
+    np.testing.assert_array_equal(np.argmax(np.asarray(full[0, 2:-1]), -1), out.tokens[0])
+
+
+def test_building_a_scanned_heterogeneous_model_fails():
+    m = _cfg("1,2", "")
+    m.scan_layers = True
+    with pytest.raises(ValueError, match="scan_layers"):
+        build_model(m).init(jax.random.key(0), TOKENS)
