@@ -1,0 +1,58 @@
+"""experiments/iti_bad_data at its tiny preset (the toy study): outputs, one row per run, the
+measured quantities in range; the toy's data pieces (chain probabilities, block-diagonal
+transitions, exact entropy rate, sampled sequences stay in their chain)."""
+import csv
+import math
+import os
+
+import numpy as np
+import pytest
+
+from experiments.iti_bad_data import toy
+from experiments.iti_bad_data.__main__ import PRESETS, main
+
+
+def test_iti_bad_data_tiny_outputs(tmp_path):
+    wd = str(tmp_path / "exp")
+    main([f"--workdir={wd}", "--preset=tiny"])
+    exp = PRESETS["tiny"]
+    for name in ("results.csv", "results.md", "entanglement.png", "config.json"):
+        assert os.path.getsize(os.path.join(wd, name)) > 0, name
+    rows = list(csv.DictReader(open(os.path.join(wd, "results.csv"))))
+    assert len(rows) == len(exp.freqs) * len(exp.seeds)
+    welch = math.sqrt((12 - 4) / (11 * 4))
+    for r in rows:
+        for k in ("E_chain0", "E_others", "E_emb_chain0"):
+            assert 0.0 <= float(r[k]) <= 1.0
+        assert float(r["E_max"]) >= welch - 1e-9
+        assert float(r["optimal"]) <= float(r["uniform"]) == pytest.approx(math.log(4))
+    md = open(os.path.join(wd, "results.md")).read()
+    assert "Gates:" in md and "Welch bound" in md and "slope" in md
+
+
+def test_chain_pieces():
+    np.testing.assert_allclose(toy.chain_probs(0.2, 3), [0.2, 0.4, 0.4])
+    with pytest.raises(ValueError):
+        toy.chain_probs(1.0, 3)
+    P = toy.transition_matrix(0, 3, 4, 0.5)
+    np.testing.assert_allclose(P.sum(1), 1.0)
+    blocks = np.kron(np.eye(3), np.ones((4, 4)))
+    assert np.all(P[blocks == 0] == 0)
+    np.testing.assert_array_equal(P, toy.transition_matrix(0, 3, 4, 0.5))  # fixed per seed
+    # a chain that always moves to one token: entropy 0; a uniform chain: ln 4
+    P2 = np.zeros((8, 8))
+    P2[:4, 0] = 1.0
+    P2[4:, 4:] = 0.25
+    assert toy.entropy_rate(P2, 0, 4, 16) == pytest.approx(0.0)
+    assert toy.entropy_rate(P2, 1, 4, 16) == pytest.approx(math.log(4))
+
+
+def test_sampled_sequences_stay_in_their_chain():
+    import jax
+    P = toy.transition_matrix(1, 3, 4, 0.5)
+    toks, chains = toy.sample_batch(jax.random.PRNGKey(0), np.log(np.maximum(P, 1e-30)),
+                                    np.log(toy.chain_probs(0.5, 3)), 256, 12, 4)
+    toks, chains = np.asarray(toks), np.asarray(chains)
+    assert toks.shape == (256, 12)
+    np.testing.assert_array_equal(toks // 4, np.repeat(chains[:, None], 12, 1))
+    assert 0.35 < (chains == 0).mean() < 0.65
