@@ -229,13 +229,14 @@ def _scored(model, params, tokens_BT, *, prompt_len: int):
 
 
 def scored_decode(model_cfg: ml_collections.ConfigDict, params, tokens, *, prompt_len: int,
-                  kv_policy=None, return_argmax: bool = False):
+                  kv_policy=None, return_argmax: bool = False, edits=None):
     """Teacher-forced scoring through the decode cache: the first ``prompt_len`` tokens of each
     row are one prefill, then every later token is fed one at a time through the cached step (with
     ``kv_policy``'s evictions, if any). Returns log p(token_i | tokens_<i) [B, T - 1] float32 for
     i = 1..T-1, the quantity a full forward gives when nothing is evicted. ``tokens`` [B, T] int,
     all rows real tokens (no padding). ``return_argmax``: also the model's most likely token at
-    each of those steps (int32 [B, T - 1]; accuracy = ``argmax == tokens[:, 1:]``)."""
+    each of those steps (int32 [B, T - 1]; accuracy = ``argmax == tokens[:, 1:]``). ``edits``:
+    hook edits applied in the prefill and every step (``models/hooks.py``)."""
     tokens = np.asarray(tokens, np.int32)
     if tokens.ndim != 2 or not 1 <= prompt_len < tokens.shape[1]:
         raise ValueError(f"scored_decode: tokens must be [B, T] with 1 <= prompt_len < T; got shape "
@@ -245,7 +246,7 @@ def scored_decode(model_cfg: ml_collections.ConfigDict, params, tokens, *, promp
                          f"{model_cfg.max_seq_len}")
     if kv_policy is not None:
         model_cfg = _with_kv_policy(model_cfg, kv_policy)
-    lps, tops = _scored(build_model(model_cfg, decode=True), params, jnp.asarray(tokens),
+    lps, tops = _scored(build_model(model_cfg, decode=True, edits=edits), params, jnp.asarray(tokens),
                         prompt_len=int(prompt_len))
     return (np.asarray(lps), np.asarray(tops)) if return_argmax else np.asarray(lps)
 
@@ -308,7 +309,7 @@ def generate(model_cfg: ml_collections.ConfigDict, params, prompts_tokens: Seque
              top_p: float = 1.0, stop_tokens: Sequence[int] = (), pad_id: int = 0,
              max_len: int | None = None, return_logits: bool = False, sparsity: dict | None = None,
              sparse_capacity: int | None = None, return_sparse_stats: bool = False,
-             kv_policy=None) -> GenerateOutput:
+             kv_policy=None, edits=None) -> GenerateOutput:
     """Continues each prompt (token ids) with KV-cache decoding.
 
     Args:
@@ -335,6 +336,8 @@ def generate(model_cfg: ml_collections.ConfigDict, params, prompts_tokens: Seque
         kv_policy: a ``kv_policies.KVPolicy`` for the decode cache (None = ``model_cfg.kv_policy``,
             the full cache by default): streaming / h2o / morphkv keep ``slots`` per KV head and
             evict every step once full; snapkv compresses the prompt to ``slots`` and then grows.
+        edits: hook edits (``models/hooks.Edits`` or a dict ``{"layer_i/point": fn}``), applied in
+            the prefill and at every decode step (whose T is 1: the current token).
 
     Returns:
         ``GenerateOutput(tokens [B, N], lengths [B], logprobs [B, N], logits)`` as numpy.
@@ -351,7 +354,7 @@ def generate(model_cfg: ml_collections.ConfigDict, params, prompts_tokens: Seque
     if kv_policy is not None:
         model_cfg = _with_kv_policy(model_cfg, kv_policy)
     out, lengths, lps, lgs, stats = _generate(
-        build_model(model_cfg, decode=True), params, sparsity, tokens, positions, segments, key,
+        build_model(model_cfg, decode=True, edits=edits), params, sparsity, tokens, positions, segments, key,
         jnp.float32(temperature if not greedy else 1.0), jnp.int32(top_k), jnp.float32(top_p),
         stops, jnp.int32(pad_id), max_new=int(max_new_tokens), mode=mode,
         return_logits=return_logits, return_stats=return_sparse_stats)

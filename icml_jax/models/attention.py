@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from icml_jax.models import lowrank
+from icml_jax.models import hooks, lowrank
 from icml_jax.models.layers import constrain, get_dtype, param, upcast
 from icml_jax.models.positions import POSITIONS
 
@@ -234,6 +234,7 @@ class PolicyKVCache(nn.Module):
 class Attention(nn.Module):
     cfg: ml_collections.ConfigDict
     decode: bool = False
+    edits: tuple = ()  # this layer's hook edits (models/hooks.py): attn_heads
 
     def setup(self):
         c = self.cfg
@@ -314,7 +315,7 @@ class Attention(nn.Module):
         q, k = self.position(q, k, positions_BT, positions_BT)
         if self.decode and isinstance(self.kv_cache, PolicyKVCache):
             o = self.kv_cache(q, k, v, positions_BT, segment_ids_BT, self.position.bias)
-            return self.project_out(o.astype(q.dtype))
+            return self.project_out(hooks.point(self, "attn_heads", o.astype(q.dtype), self.edits))
         if self.decode:
             k, v, k_pos, k_seg, q_idx, k_idx = self.kv_cache(k, v, positions_BT, segment_ids_BT)
         else:
@@ -324,6 +325,7 @@ class Attention(nn.Module):
                               self.cfg.sliding_window)
         bias = self.position.bias(positions_BT, k_pos)
         o = self.attend(q, k, v, mask, bias, causal_rows=not self.decode)
+        o = hooks.point(self, "attn_heads", o, self.edits)
         if self.is_mutable_collection("intermediates"):
             self.sow("intermediates", "attn_out_in", o)
         return self.project_out(o)

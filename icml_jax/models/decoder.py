@@ -4,14 +4,15 @@
 Segment ids mark packed documents (0 = padding); a token attends only within its segment and
 only to earlier slots. Positions restart per document in packed rows. With the collection
 ``hidden`` mutable, an unscanned decoder sows every layer's output (``hidden/h_{i}``, a 1-tuple).
-``config.model.blocks`` gives each layer its own block (``models/hetero.py``).
+``config.model.blocks`` gives each layer its own block (``models/hetero.py``); named points can be
+captured (collection ``hooks``) and edited (``edits``) as ``models/hooks.py`` says.
 """
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
 
-from icml_jax.models import hetero
+from icml_jax.models import hetero, hooks
 from icml_jax.models.layers import upcast
 from icml_jax.models.residual import RESIDUALS
 
@@ -41,6 +42,7 @@ class Decoder(nn.Module):
     call then appends its tokens (prefill: many, decode: one) and returns their logits."""
     cfg: ml_collections.ConfigDict
     decode: bool = False
+    edits: hooks.Edits | None = None  # hook edits (models/hooks.py); None / empty: none
 
     @nn.compact
     def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None, last_only: bool = False,
@@ -61,13 +63,20 @@ class Decoder(nn.Module):
         io = RESIDUALS.get(c.residual).IO(c, name="io")
         h = io(tokens_BT, positions_BT)
         block = _block_class(c)
+        if self.edits and (c.scan_layers or c.residual != "standard" or self.edits.max_layer() >= c.num_layers):
+            raise ValueError(f"hook edits {self.edits} need an unscanned standard decoder "
+                             f"(config.model.scan_layers=False, residual='standard') and layers < "
+                             f"num_layers={c.num_layers}")
         if c.scan_layers:
-            stack = nn.scan(block, variable_axes={"params": 0, "intermediates": 0, "cache": 0, "sparsity": 0},
+            stack = nn.scan(block, variable_axes={"params": 0, "intermediates": 0, "cache": 0, "sparsity": 0,
+                                                  "hooks": 0},
                             split_rngs={"params": True}, in_axes=(nn.broadcast, nn.broadcast),
                             length=c.num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
             h, _ = stack(c, self.decode, name="layers")(h, positions_BT, segment_ids_BT)
         else:
-            extra = (lambda i: {"layer": i}) if hetero.is_hetero(c) else (lambda i: {})
+            het = hetero.is_hetero(c)
+            extra = lambda i: ({"layer": i} if het else {}) | (  # noqa: E731
+                {"edits": self.edits.layer(i)} if self.edits and self.edits.layer(i) else {})
             for i in range(c.num_layers):
                 h, _ = block(c, self.decode, name=f"layer_{i}", **extra(i))(h, positions_BT, segment_ids_BT)
                 if self.is_mutable_collection("hidden") and not self.is_initializing():
@@ -83,6 +92,10 @@ class Decoder(nn.Module):
         return io.features(h) if features else io.unembed(h)
 
 
-def build_model(model_cfg: ml_collections.ConfigDict, decode: bool = False) -> Decoder:
-    """A Decoder over a frozen (hashable) copy of ``config.model``."""
-    return Decoder(ml_collections.FrozenConfigDict(model_cfg), decode=decode)
+def build_model(model_cfg: ml_collections.ConfigDict, decode: bool = False,
+                edits: hooks.Edits | dict | None = None) -> Decoder:
+    """A Decoder over a frozen (hashable) copy of ``config.model``; ``edits``: hook edits
+    (``models/hooks.py``; a dict is wrapped in ``hooks.Edits``)."""
+    if edits is not None and not isinstance(edits, hooks.Edits):
+        edits = hooks.Edits(edits)
+    return Decoder(ml_collections.FrozenConfigDict(model_cfg), decode=decode, edits=edits or None)

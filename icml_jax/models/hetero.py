@@ -20,6 +20,7 @@ from __future__ import annotations
 import flax.linen as nn
 import ml_collections
 
+from icml_jax.models import hooks
 from icml_jax.models.attention import Attention
 from icml_jax.models.layers import RMSNorm, constrain, get_dtype, param
 from icml_jax.models.mlp import ACTIVATIONS, is_gated
@@ -106,24 +107,24 @@ class Linear(nn.Module):
         return x_BTD.astype(dt) @ w.astype(dt)
 
 
-def attention_part(module, c, kind, decode, h_BTD, positions_BT, segment_ids_BT):
+def attention_part(module, c, kind, decode, h_BTD, positions_BT, segment_ids_BT, edits: tuple = ()):
     """What the attention sub-block adds to the stream (created in ``module``'s scope)."""
     if kind == "noop":
         return None
     x = _norm(c, "attn_norm")(h_BTD)
     if kind == "linear":
         return Linear(c, name="attn")(x)
-    return Attention(c, decode, name="attn")(x, positions_BT, segment_ids_BT)
+    return Attention(c, decode, edits=edits, name="attn")(x, positions_BT, segment_ids_BT)
 
 
-def ffn_part(module, c, kind, h_BTD):
+def ffn_part(module, c, kind, h_BTD, edits: tuple = ()):
     """(what the FFN sub-block adds, its activations or None)."""
     if kind == "noop":
         return None, None
     x = _norm(c, "mlp_norm")(h_BTD)
     if kind == "linear":
         return Linear(c, name="mlp")(x), None
-    return ACTIVATIONS.get(c.mlp.activation)(c, name="mlp")(x)
+    return ACTIVATIONS.get(c.mlp.activation)(c, edits=edits, name="mlp")(x)
 
 
 class AttentionPart(nn.Module):
@@ -152,24 +153,27 @@ class FfnPart(nn.Module):
 
 
 class HeteroBlock(nn.Module):
-    """Layer ``layer`` of a per-layer layout: h += attn_l(h); h += ffn_l(h)."""
+    """Layer ``layer`` of a per-layer layout: h += attn_l(h); h += ffn_l(h); hook points as the
+    standard block's (``models/hooks.py``) where the layer has the sub-block."""
     cfg: ml_collections.ConfigDict
     decode: bool = False
     layer: int = 0
+    edits: tuple = ()
 
     @nn.compact
     def __call__(self, h_BTD, positions_BT, segment_ids_BT):
         a, f = layout(self.cfg)[self.layer]
-        c = layer_config(self.cfg, self.layer)
-        y = attention_part(self, c, a, self.decode, h_BTD, positions_BT, segment_ids_BT)
+        c, e = layer_config(self.cfg, self.layer), self.edits
+        h_BTD = hooks.point(self, "resid_pre", h_BTD, e)
+        y = attention_part(self, c, a, self.decode, h_BTD, positions_BT, segment_ids_BT, e)
         if y is not None:
-            h_BTD = h_BTD + y
-        y, acts = ffn_part(self, c, f, h_BTD)
+            h_BTD = h_BTD + hooks.point(self, "attn_out", y, e)
+        y, acts = ffn_part(self, c, f, h_BTD, e)
         if acts is not None:
             self.sow("intermediates", "mlp_acts", acts)
         if y is not None:
-            h_BTD = h_BTD + y
-        return constrain(h_BTD, ("batch", "length", "act_embed")), None
+            h_BTD = h_BTD + hooks.point(self, "mlp_out", y, e)
+        return hooks.point(self, "resid_post", constrain(h_BTD, ("batch", "length", "act_embed")), e), None
 
 
 # ----------------------------------------------------------------------------- accounting

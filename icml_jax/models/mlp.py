@@ -62,7 +62,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from icml_jax.models import sparse_ffn
-from icml_jax.models import lowrank
+from icml_jax.models import hooks, lowrank
 from icml_jax.models.layers import constrain, get_dtype, param
 from icml_jax.registry import Registry
 
@@ -119,6 +119,7 @@ class _MLPBase(nn.Module):
     features: int = 0
     wi_init: Optional[Callable] = None
     wo_init: Optional[Callable] = None
+    edits: tuple = ()  # this layer's hook edits (models/hooks.py): mlp_hidden
     gated = False
 
     def kernels(self):
@@ -191,6 +192,7 @@ class _MLPBase(nn.Module):
         if keep is not None:
             self.sow("intermediates", "mlp_keep", keep.astype(jnp.float32))
             used_BTF = jnp.where(keep, acts_BTF, jnp.zeros_like(acts_BTF))
+        used_BTF = hooks.point(self, "mlp_hidden", used_BTF, self.edits)
         y_BTD = jnp.einsum("BTF,FD->BTD", used_BTF, w_FD.astype(dt))
         if factors is not None:
             y_BTD = y_BTD + lowrank.mlp_out_delta(factors, used_BTF)

@@ -19,7 +19,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 import ml_collections
 
-from icml_jax.models import hetero
+from icml_jax.models import hetero, hooks
 from icml_jax.models.attention import Attention
 from icml_jax.models.layers import RMSNorm, constrain, get_dtype, param, upcast
 from icml_jax.models.mlp import ACTIVATIONS, is_gated
@@ -88,19 +88,23 @@ class StandardIO(nn.Module):
 
 
 class StandardBlock(nn.Module):
-    """Pre-norm block: h += attn(norm(h)); h += mlp(norm(h)). Sows the MLP activations."""
+    """Pre-norm block: h += attn(norm(h)); h += mlp(norm(h)). Sows the MLP activations; its hook
+    points (``models/hooks.py``) are captured / edited as ``edits`` says."""
     cfg: ml_collections.ConfigDict
     decode: bool = False
+    edits: tuple = ()
 
     @nn.compact
     def __call__(self, h_BTD, positions_BT, segment_ids_BT):
-        c = self.cfg
-        h_BTD = h_BTD + Attention(c, self.decode, name="attn")(_norm(c, "attn_norm")(h_BTD), positions_BT,
-                                                  segment_ids_BT)
-        y_BTD, acts_BTF = ACTIVATIONS.get(c.mlp.activation)(c, name="mlp")(_norm(c, "mlp_norm")(h_BTD))
+        c, e = self.cfg, self.edits
+        h_BTD = hooks.point(self, "resid_pre", h_BTD, e)
+        y_BTD = Attention(c, self.decode, edits=e, name="attn")(_norm(c, "attn_norm")(h_BTD), positions_BT,
+                                                              segment_ids_BT)
+        h_BTD = h_BTD + hooks.point(self, "attn_out", y_BTD, e)
+        y_BTD, acts_BTF = ACTIVATIONS.get(c.mlp.activation)(c, edits=e, name="mlp")(_norm(c, "mlp_norm")(h_BTD))
         self.sow("intermediates", "mlp_acts", acts_BTF)
-        h_BTD = constrain(h_BTD + y_BTD, ("batch", "length", "act_embed"))
-        return h_BTD, None
+        h_BTD = constrain(h_BTD + hooks.point(self, "mlp_out", y_BTD, e), ("batch", "length", "act_embed"))
+        return hooks.point(self, "resid_post", h_BTD, e), None
 
 
 # ----------------------------------------------------------------------------- accounting

@@ -1,0 +1,132 @@
+"""Hook points (models/hooks.py): captures equal a manual forward, an identity edit changes nothing
+(program and numbers), an edit at layer l leaves the layers below alone, and edits reach KV-cache
+decoding with any policy and imported HF models."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax.core import meta
+
+from icml_jax.config_utils import load_config
+from icml_jax.inference.decode import generate, scored_decode
+from icml_jax.models import build_model, hooks
+from icml_jax.models.attention import Attention
+from icml_jax.models.layers import RMSNorm
+
+TOKENS = jnp.asarray(np.random.RandomState(0).randint(3, 250, (2, 12)))
+
+
+def _cfg(**kw):
+    m = load_config("configs/lm.py:tiny", unlocked=True).model  # 2 layers, d 32, 4 heads, 2 KV, F 64
+    m.update(kw)
+    return m
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    m = _cfg()
+    p = meta.unbox(build_model(m).init(jax.random.key(0), TOKENS)["params"])
+    return m, p
+
+
+def test_capture_names_shapes_and_a_manual_forward(tiny):
+    m, p = tiny
+    got = hooks.capture(build_model(m), p, TOKENS)
+    assert set(got) == {f"layer_{i}/{pt}" for i in range(2) for pt in hooks.POINTS}
+    assert got["layer_0/attn_heads"].shape == (2, 12, 2, 2, 8)
+    assert got["layer_1/mlp_hidden"].shape == (2, 12, 64)
+    emb = p["io"]["embedding"][TOKENS]
+    np.testing.assert_array_equal(got["layer_0/resid_pre"], emb)
+    # manual layer 0: norm -> attention (its per-head output, projected) -> residual
+    lp = p["layer_0"]
+    x = RMSNorm(eps=m.norm_eps).apply({"params": lp["attn_norm"]}, emb)
+    pos = jnp.broadcast_to(jnp.arange(12), (2, 12))
+    att = Attention(m).apply({"params": lp["attn"]}, x, pos, jnp.ones_like(pos))
+    np.testing.assert_allclose(got["layer_0/attn_out"], att, rtol=1e-6, atol=1e-6)
+    heads = got["layer_0/attn_heads"]
+    np.testing.assert_allclose(jnp.einsum("BTGRK,GRKD->BTD", heads, lp["attn"]["out"]), att, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got["layer_0/resid_post"], emb + att + got["layer_0/mlp_out"], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(got["layer_0/mlp_out"], got["layer_0/mlp_hidden"] @ lp["mlp"]["wo"], rtol=1e-5,
+                               atol=1e-6)
+    np.testing.assert_array_equal(got["layer_1/resid_pre"], got["layer_0/resid_post"])
+
+
+def test_no_hook_and_identity_edits_leave_the_program_and_numbers_unchanged(tiny):
+    m, p = tiny
+    plain = jax.make_jaxpr(lambda q: build_model(m).apply({"params": q}, TOKENS))(p)
+    ident = hooks.Edits({f"layer_{i}/{pt}": (lambda x: x) for i in range(2) for pt in hooks.POINTS})
+    edited = jax.make_jaxpr(lambda q: build_model(m, edits=ident).apply({"params": q}, TOKENS))(p)
+    assert str(plain) == str(edited)
+    np.testing.assert_array_equal(build_model(m, edits=ident).apply({"params": p}, TOKENS),
+                                  build_model(m).apply({"params": p}, TOKENS))
+
+
+def test_an_edit_at_layer_l_changes_nothing_below_it_and_propagates_above(tiny):
+    m, p = tiny
+    base = hooks.capture(build_model(m), p, TOKENS)
+    shift = lambda x: x.at[:, :, 1, 0].add(1.0)  # noqa: E731  query head 2 (g=1, r=0)
+    got = hooks.capture(build_model(m, edits={"layer_1/attn_heads": shift}), p, TOKENS)
+    for pt in hooks.POINTS:
+        np.testing.assert_array_equal(got[f"layer_0/{pt}"], base[f"layer_0/{pt}"])
+    np.testing.assert_array_equal(got["layer_1/resid_pre"], base["layer_1/resid_pre"])
+    d = got["layer_1/attn_heads"] - base["layer_1/attn_heads"]
+    np.testing.assert_allclose(d[:, :, 1, 0], 1.0, rtol=0, atol=1e-6)
+    assert float(jnp.abs(d).sum() - jnp.abs(d[:, :, 1, 0]).sum()) < 1e-5  # only that head
+    # linearity: the head shift reaches attn_out through that head's output projection
+    w = p["layer_1"]["attn"]["out"][1, 0]  # [K, D]
+    np.testing.assert_allclose(got["layer_1/attn_out"] - base["layer_1/attn_out"],
+                               jnp.broadcast_to(w.sum(0), (2, 12, 32)), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("policy", ["full", "streaming"])
+def test_edits_reach_kv_cache_decoding(tiny, policy):
+    from icml_jax.models.kv_policies import KVPolicy
+    m, p = tiny
+    kw = {} if policy == "full" else {"kv_policy": KVPolicy("streaming", slots=64, window=8, sinks=2)}
+    push = {"layer_1/resid_post": lambda x: x + 0.5 * p["io"]["embedding"][7]}
+    out = generate(m, p, [[5, 6, 7, 8]], key=jax.random.key(0), max_new_tokens=4, temperature=0, edits=push,
+                   **kw)
+    seq = jnp.asarray([[5, 6, 7, 8] + list(out.tokens[0])])
+    full = build_model(m, edits=push).apply({"params": p}, seq)
+    np.testing.assert_array_equal(np.argmax(np.asarray(full[0, 3:-1]), -1), out.tokens[0])
+    want = jax.nn.log_softmax(full[0, :-1], -1)[jnp.arange(7), seq[0, 1:]]
+    got = scored_decode(m, p, np.asarray(seq), prompt_len=4, edits=push, **kw)
+    np.testing.assert_allclose(got[0], want, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_hooks_fail_clearly(tiny):
+    m, p = tiny
+    with pytest.raises(ValueError, match="use 'layer_<i>/<point>'"):
+        hooks.Edits({"layer_0/residual": lambda x: x})
+    with pytest.raises(ValueError, match="keep shape"):
+        build_model(m, edits={"layer_0/attn_out": lambda x: x[:, :1]}).apply({"params": p}, TOKENS)
+    with pytest.raises(ValueError, match="layers < num_layers=2"):
+        build_model(m, edits={"layer_5/attn_out": lambda x: x}).apply({"params": p}, TOKENS)
+    with pytest.raises(ValueError, match="do not exist"):
+        hooks.capture(build_model(m), p, TOKENS, points=["layer_3/resid_pre"])
+
+
+def test_scanned_models_capture_stacked_points():
+    m = _cfg(scan_layers=True)
+    p = meta.unbox(build_model(m).init(jax.random.key(0), TOKENS)["params"])
+    got = hooks.capture(build_model(m), p, TOKENS, points=["layers/resid_post"])
+    assert got["layers/resid_post"].shape == (2, 2, 12, 32)
+
+
+def test_heterogeneous_layers_have_the_points_of_their_sub_blocks(tmp_path):
+    from icml_jax.interop.hf import load_hf, save_hf
+    m = _cfg()
+    m.blocks.attention, m.blocks.ffn = "linear,1", "noop,32"
+    p = meta.unbox(build_model(m).init(jax.random.key(0), TOKENS)["params"])
+    got = hooks.capture(build_model(m), p, TOKENS)
+    assert {k for k in got if k.startswith("layer_0/")} == {"layer_0/resid_pre", "layer_0/attn_out",
+                                                             "layer_0/resid_post"}
+    assert got["layer_1/attn_heads"].shape == (2, 12, 1, 4, 8) and got["layer_1/mlp_hidden"].shape[-1] == 32
+    # an imported HF checkpoint is the same decoder: its points capture and edit alike
+    parent = _cfg()
+    pp = meta.unbox(build_model(parent).init(jax.random.key(1), TOKENS)["params"])
+    save_hf(str(tmp_path / "hf"), parent, pp, "LlamaForCausalLM")
+    hm, hp = load_hf(str(tmp_path / "hf"))
+    a = hooks.capture(build_model(hm), hp, TOKENS, points=["layer_1/attn_heads"])
+    b = hooks.capture(build_model(parent), pp, TOKENS, points=["layer_1/attn_heads"])
+    np.testing.assert_allclose(a["layer_1/attn_heads"], b["layer_1/attn_heads"], rtol=1e-5, atol=1e-6)
