@@ -56,7 +56,7 @@ PRESETS = {
         attention=(1, "linear", "noop"), ffn=(32, 16, "linear", "noop"), bld_steps=8, bld_lr=3e-3,
         calib_rows=8, score_batches=1, uniform=((1, 32),), drop=("last",), budget=(0.5, 0.5),
         latency_child=True, latency_repeats=3,
-        gkd_steps=4, gkd_lr=3e-3, gkd_seeds=(0,), gkd_arms=("Puzzle @ 50% / 50%", "drop last"),
+        gkd_steps=4, gkd_lr=3e-3, gkd_seeds=(0,), gkd_arms=("Puzzle @ 50% / 50%",),
         decode=dict(batch=2, prompt=8, new=8, repeats=1), gate_drop_kl=0.0),
     "default": preset(
         run=dict(model=dict(d_model=128, num_layers=6, num_heads=8, num_kv_heads=4, head_dim=16, ffn_dim=512,
