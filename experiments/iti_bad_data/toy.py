@@ -164,6 +164,7 @@ def measure(exp, run) -> dict:
             row[f"{tag}_chain{c}"] = float(e[c * K:(c + 1) * K].mean())
         row[f"{tag}_others"] = float(e[K:].mean())
         row[f"{tag}_max"] = float(e.max())
+        row[f"{tag}_gap"] = row[f"{tag}_chain0"] - row[f"{tag}_others"]  # within one model
     for c in range(C):
         row[f"loss_chain{c}"] = run["loss"][c]
         row[f"optimal_chain{c}"] = run["optimal"][c]
@@ -177,6 +178,6 @@ def fields(exp):
     C = exp.num_chains
     f = ["freq", "seed"]
     for tag in ("E", "E_emb"):
-        f += [f"{tag}_chain{c}" for c in range(C)] + [f"{tag}_others", f"{tag}_max"]
+        f += [f"{tag}_chain{c}" for c in range(C)] + [f"{tag}_others", f"{tag}_max", f"{tag}_gap"]
     f += [f"loss_chain{c}" for c in range(C)] + [f"optimal_chain{c}" for c in range(C)]
     return f + ["loss", "optimal", "uniform", "train_loss"]
