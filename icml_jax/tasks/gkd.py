@@ -47,7 +47,8 @@ from icml_jax.losses.distill import gkd_loss
 from icml_jax.models import build_model
 from icml_jax.tasks import TASKS
 from icml_jax.tasks.lm import LMTask
-from icml_jax.tasks.vocagnolm import read_teacher_config
+from icml_jax.tasks.vocagnolm import (frozen_run_section, read_teacher_config,
+                                      restore_run_params)
 
 WEIGHTS = ("cosine_weight", "kl_weight", "lm_weight")
 
@@ -66,12 +67,7 @@ def forward_with_hidden(model, params, batch):
 
 def check_gkd_config(config) -> None:
     """One-line ValueErrors naming the key, before anything is read or computed."""
-    g = config.get("gkd")
-    if g is None:
-        raise ValueError("config.task='gkd' needs a config.gkd section: use configs/gkd.py")
-    if not str(g.get("teacher", "") or "").strip():
-        raise ValueError("config.gkd.teacher is empty: set it to the parent's training workdir "
-                         "(a folder with its config.json and checkpoints/)")
+    g = frozen_run_section(config, "gkd", "teacher", "the parent's")
     for k in WEIGHTS:
         v = g.get(k)
         if isinstance(v, bool) or not isinstance(v, numbers.Real) or not v >= 0:
@@ -133,15 +129,10 @@ class GKDTask(LMTask):
         check_gkd_config(config)
         super().__init__(config, context)
         g = config.gkd
-        if self.context.restore_params is None:
-            raise ValueError(f"config.gkd.teacher={g.teacher!r}: reading another run's params needs "
-                             "tasks.TaskContext(restore_params=...) (train_and_evaluate passes it)")
         self.parent_config = read_teacher_config(g.teacher, "config.gkd.teacher")
         check_parent(config, self.parent_config)
-        try:
-            self.teacher_params = self.context.restore_params(g.teacher, self.parent_config.model)
-        except ValueError as e:
-            raise ValueError(f"config.gkd.teacher={g.teacher!r}: {e}") from e
+        self.teacher_params = restore_run_params(self.context, g.teacher, self.parent_config.model,
+                                                 "config.gkd.teacher")
         self.teacher_model = build_model(self.parent_config.model)
         self._teacher_fn = jax.jit(lambda p, b: forward_with_hidden(self.teacher_model, p, b))
         self.weights = {k: float(g[k]) for k in WEIGHTS}

@@ -165,6 +165,31 @@ def read_teacher_config(workdir: str, key: str = "config.loss.voc_teacher") -> m
                          "point it at a finished training workdir") from e
 
 
+def frozen_run_section(config, section: str, key: str, what: str) -> ml_collections.ConfigDict:
+    """``config.<section>`` of a task that reads another training run, after one-line checks that
+    the section exists and that ``config.<section>.<key>`` (``what``: whose workdir) is set."""
+    s = config.get(section)
+    if s is None:
+        raise ValueError(f"config.task={config.task!r} needs a config.{section} section: use "
+                         f"configs/{config.task}.py")
+    if not str(s.get(key, "") or "").strip():
+        raise ValueError(f"config.{section}.{key} is empty: set it to {what} training workdir "
+                         "(a folder with its config.json and checkpoints/)")
+    return s
+
+
+def restore_run_params(context, workdir: str, model_cfg, key: str):
+    """``context.restore_params(workdir, model_cfg)`` with its one-line errors prefixed by
+    ``key=workdir`` (the config key that gave the workdir)."""
+    if context.restore_params is None:
+        raise ValueError(f"{key}={workdir!r}: reading another run's params needs "
+                         "tasks.TaskContext(restore_params=...) (train_and_evaluate passes it)")
+    try:
+        return context.restore_params(workdir, model_cfg)
+    except ValueError as e:
+        raise ValueError(f"{key}={workdir!r}: {e}") from e
+
+
 def teacher_loss_fn(model):
     """A jitted (params, rows) -> per-token NLL [N, M] of ``model`` (0 at padding)."""
     def f(p, b):

@@ -17,7 +17,7 @@ from icml_jax.models import build_model
 from icml_jax.tasks import TaskContext
 from icml_jax.tasks.gkd import GKDTask
 from icml_jax.train import trainer
-from icml_jax.train.checkpoint import restore_model_params
+from tests.tasks.helpers import restore_params, tiny_lm_run
 from tests.train.helpers import train_in_process
 
 pytestmark = pytest.mark.xdist_group("gkd_task")
@@ -25,17 +25,10 @@ pytestmark = pytest.mark.xdist_group("gkd_task")
 CHILD = {"attention": "1,linear", "ffn": "noop,32"}
 
 
-def _restore(workdir, model_cfg):
-    return restore_model_params(workdir, model_cfg)[0]
-
-
 @pytest.fixture(scope="module")
 def parent(tmp_path_factory, session_tfds_dir):
     """A configs/lm.py:tiny run of 4 steps (the parent every test here distils from)."""
-    wd = str(tmp_path_factory.mktemp("gkd") / "parent")
-    train_in_process(wd, "--config.train.steps=4", "--config.train.checkpoint_every=4",
-                     "--config.train.eval_every=4", "--config.train.samples=0", data_dir=session_tfds_dir)
-    return wd
+    return tiny_lm_run(str(tmp_path_factory.mktemp("gkd") / "parent"), session_tfds_dir)
 
 
 def _config(teacher, tfds_dir, blocks=None, **gkd):
@@ -101,7 +94,7 @@ def test_losses_equal_a_direct_numpy_computation():
 
 
 def test_a_child_equal_to_its_parent_has_zero_loss_and_batches_resume(parent, session_tfds_dir):
-    task = GKDTask(_config(parent, session_tfds_dir), TaskContext(restore_params=_restore))
+    task = GKDTask(_config(parent, session_tfds_dir), TaskContext(restore_params=restore_params))
     params = task.teacher_params
     it = task.train_iterator(seed=0)
     state = it.get_state()
@@ -141,7 +134,7 @@ def _assemble_child(parent_params, child_cfg):
 
 def test_distilling_a_heterogeneous_child_lowers_the_eval_kl(parent, session_tfds_dir, tmp_path):
     cfg = _config(parent, session_tfds_dir, blocks=CHILD)
-    task = GKDTask(cfg, TaskContext(restore_params=_restore))
+    task = GKDTask(cfg, TaskContext(restore_params=restore_params))
     start = _assemble_child(task.teacher_params, cfg.model)
     child_cfg = load_config("configs/lm.py:tiny", unlocked=True)  # the child as Puzzle writes it
     child_cfg.model.blocks.update(CHILD)
@@ -174,7 +167,8 @@ def test_a_missing_or_mismatched_teacher_fails_naming_the_key(parent, session_tf
         saved["model"][key] = value
         (other / "config.json").write_text(json.dumps(saved))
         with pytest.raises(ValueError, match=rf"config\.gkd\.teacher=.*model\.{name}=") as e:
-            GKDTask(_config(str(other), session_tfds_dir), TaskContext(restore_params=_restore))
+            GKDTask(_config(str(other), session_tfds_dir), TaskContext(restore_params=restore_params))
         assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match=r"config\.gkd\.kl_weight"):
-        GKDTask(_config(parent, session_tfds_dir, kl_weight=-1.0), TaskContext(restore_params=_restore))
+        GKDTask(_config(parent, session_tfds_dir, kl_weight=-1.0),
+                TaskContext(restore_params=restore_params))

@@ -1,0 +1,178 @@
+"""The ``sae`` task (Feature Flow's SAE stage): TopK keeps k latents, unit decoder rows, an exact
+reconstruction, JumpReLU's pseudo-derivative in the threshold, the losses against numpy, a short
+trainer run that learns and resumes exactly, and the config checks."""
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from icml_jax.config_utils import load_config
+from icml_jax.losses.sae import fraction_of_variance_unexplained, sae_loss
+from icml_jax.models.sae import SAE, unit_decoder
+from icml_jax.tasks import TaskContext
+from icml_jax.tasks.sae import SAETask
+from icml_jax.train import trainer
+from tests.tasks.helpers import restore_params, tiny_lm_run
+from tests.train.helpers import train_in_process, train_losses
+
+pytestmark = pytest.mark.xdist_group("sae_task")
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory, session_tfds_dir):
+    """A configs/lm.py:tiny run of 4 steps (the LM every SAE here reads)."""
+    return tiny_lm_run(str(tmp_path_factory.mktemp("sae") / "lm"), session_tfds_dir)
+
+
+def _config(source, tfds_dir, **sae):
+    c = load_config("configs/sae.py:tiny", unlocked=True)
+    c.sae.source = source
+    c.sae.update(sae)
+    c.data.data_dir = tfds_dir
+    return c
+
+
+# ------------------------------------------------------------------ the module alone
+
+
+def test_topk_keeps_exactly_k_latents_and_decoder_rows_have_unit_norm():
+    sae = SAE(d_model=8, latents=32, k=5)
+    x = jax.random.normal(jax.random.key(0), (3, 7, 8))
+    params = sae.init(jax.random.key(1), x)["params"]
+    params = {**params, "b_enc": params["b_enc"] + 10.0}  # every pre-activation positive
+    x_hat, z = sae.apply({"params": params}, x)
+    assert x_hat.shape == x.shape and z.shape == (3, 7, 32)
+    np.testing.assert_array_equal((np.asarray(z) != 0).sum(-1), 5)
+    # the kept ones are the 5 largest pre-activations
+    _, _, d = sae.apply({"params": params}, x, details=True)
+    pre = np.asarray(d["pre"])
+    np.testing.assert_array_equal(np.sort(np.where(z != 0, pre, -np.inf), -1)[..., -5:],
+                                  np.sort(pre, -1)[..., -5:])
+    # unit rows however the stored W_dec is scaled, and the SAE's function does not see the scale
+    scaled = {**params, "W_dec": params["W_dec"] * jnp.arange(1.0, 33.0)[:, None]}
+    np.testing.assert_allclose(np.linalg.norm(unit_decoder(scaled), axis=-1), 1.0, rtol=1e-6)
+    np.testing.assert_allclose(sae.apply({"params": scaled}, x)[0], x_hat, rtol=1e-5, atol=1e-6)
+    # ... also after an update of the stored rows
+    g = jax.grad(lambda p: ((sae.apply({"params": p}, x)[0] - x) ** 2).sum())(params)
+    moved = jax.tree.map(lambda p, gp: p - 0.5 * gp, params, g)
+    np.testing.assert_allclose(np.linalg.norm(unit_decoder(moved), axis=-1), 1.0, rtol=1e-6)
+
+
+def test_a_signed_identity_basis_with_k_equal_d_reconstructs_exactly():
+    """W_dec = [I; -I] (rows scaled arbitrarily), W_enc = [I, -I]: ReLU keeps x+ and x-, at most D
+    of them non-zero, so TopK with k = D gives back x."""
+    D = 6
+    eye = np.eye(D, dtype=np.float32)
+    params = {"W_enc": jnp.asarray(np.concatenate([eye, -eye], 1)),
+              "W_dec": jnp.asarray(np.concatenate([eye, -eye], 0) * np.arange(1, 2 * D + 1)[:, None]),
+              "b_enc": jnp.zeros(2 * D), "b_dec": jnp.zeros(D)}
+    x = jax.random.normal(jax.random.key(2), (4, 5, D))
+    for pre_bias in (False, True):
+        x_hat, z = SAE(d_model=D, latents=2 * D, k=D, pre_bias=pre_bias).apply({"params": params}, x)
+        np.testing.assert_allclose(x_hat, x, rtol=1e-6, atol=1e-6)
+        assert ((np.asarray(z) != 0).sum(-1) <= D).all()
+
+
+def test_jumprelu_threshold_gets_the_rectangle_kernel_gradient():
+    D, theta, eps = 4, 0.5, 0.1
+    sae = SAE(d_model=D, latents=D, activation="jumprelu", bandwidth=eps, init_threshold=theta)
+    x = jnp.array([[0.52, 0.9, 0.1, 0.47]])  # latents 0 and 3 lie within ε/2 of θ
+    params = {**sae.init(jax.random.key(0), x)["params"], "W_enc": jnp.eye(D), "W_dec": jnp.eye(D)}
+    x_hat, z = sae.apply({"params": params}, x)
+    np.testing.assert_allclose(z, [[0.52, 0.9, 0.0, 0.0]])
+    np.testing.assert_allclose(x_hat, z)
+    near = np.array([1.0, 0.0, 0.0, 1.0])
+    # L0 = Σ 1[pre > θ]: ∂/∂θ = -(1/ε) K, so ∂/∂log θ = -(θ/ε) K
+    g_l0 = jax.grad(lambda p: sae.apply({"params": p}, x, details=True)[2]["l0"].sum())(params)
+    np.testing.assert_allclose(g_l0["log_threshold"], -(theta / eps) * near, rtol=1e-5)
+    # Σ z: ∂z/∂θ = -(θ/ε) K, so ∂/∂log θ = -(θ²/ε) K; ∂z/∂pre = 1[pre > θ] reaches W_enc
+    g_z = jax.grad(lambda p: sae.apply({"params": p}, x)[1].sum())(params)
+    np.testing.assert_allclose(g_z["log_threshold"], -(theta ** 2 / eps) * near, rtol=1e-5)
+    np.testing.assert_allclose(g_z["b_enc"], [1.0, 1.0, 0.0, 0.0])
+    assert np.abs(np.asarray(g_z["log_threshold"])).sum() > 0
+
+
+def test_the_losses_equal_a_direct_numpy_computation():
+    rng = np.random.default_rng(0)
+    x, x_hat, aux = rng.normal(size=(3, 2, 5, 4)).astype(np.float32)
+    z = np.zeros((2, 5, 6), np.float32)
+    z[..., 0] = 1.0
+    z[0, 0, 2] = 3.0  # latent 2 active on one token; 1, 3, 4, 5 never
+    w = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 0]], np.float32)
+    z[0, 3, 1] = 5.0  # active on padding only: still dead
+    total, n, m = sae_loss(x, x_hat, z, w, l0_coef=0.5, aux_hat=aux, aux_coef=0.25)
+    v = w > 0
+    mse = ((x - x_hat) ** 2).sum(-1)[v].sum()
+    var = ((x[v] - x[v].mean(0)) ** 2).sum()
+    l0 = (z != 0).sum(-1)[v].sum()
+    auxk = ((x - x_hat - aux) ** 2).sum(-1)[v].sum()
+    assert float(n) == 7
+    np.testing.assert_allclose([m["mse"], m["l0"], m["fvu"] / 7, m["dead"] / 7, m["auxk"]],
+                               [mse, l0, mse / var, 4 / 6, auxk], rtol=1e-5)
+    np.testing.assert_allclose(total, mse + 0.5 * l0 + 0.25 * auxk, rtol=1e-5)
+    np.testing.assert_allclose(fraction_of_variance_unexplained(x, x, w), 0.0, atol=1e-7)
+
+
+# ------------------------------------------------------------------ the task through the trainer
+
+
+def test_training_lowers_the_loss_and_a_resumed_run_repeats_it(source, session_tfds_dir, tmp_path):
+    task = SAETask(_config(source, session_tfds_dir), TaskContext(restore_params=restore_params))
+    it = task.train_iterator(seed=0)
+    state = it.get_state()
+    batch = next(it)
+    assert batch["activations"].shape == (8, 32, 32)
+    it.set_state(state)
+    np.testing.assert_array_equal(np.asarray(next(it)["activations"]), np.asarray(batch["activations"]))
+    args = ("--config.sae.source=" + source, "--config.train.log_every=1",
+            "--config.train.checkpoint_every=4", "--config.sae.aux_k=8")
+    full = str(tmp_path / "full")
+    summary = train_in_process(full, *args, config="configs/sae.py:tiny", data_dir=session_tfds_dir)
+    assert summary["step"] == 8 and "eval_perplexity" not in summary
+    assert {"eval_mse", "eval_fvu", "eval_l0", "eval_dead", "eval_auxk"} <= set(summary)
+    assert summary["eval_l0"] <= 4.0 + 1e-6
+    want = train_losses(full)
+    assert sorted(want) == list(range(1, 9))
+    assert want[8] < 0.7 * want[1], want  # step 1 logs the loss of the initial params
+    # stop after step 4 (its checkpoint is the newest), restart: the same losses
+    resumed = str(tmp_path / "resumed")
+    shutil.copytree(full, resumed)
+    shutil.rmtree(os.path.join(resumed, "checkpoints", "8"))
+    again = train_in_process(resumed, *args, config="configs/sae.py:tiny", data_dir=session_tfds_dir)
+    assert again["start_step"] == 4
+    assert train_losses(resumed) == want
+
+
+def test_jumprelu_trains_through_the_trainer(source, session_tfds_dir, tmp_path):
+    summary = train_in_process(str(tmp_path / "jr"), "--config.sae.source=" + source,
+                               "--config.sae.activation=jumprelu", "--config.train.steps=4",
+                               "--config.train.eval_every=4", "--config.train.checkpoint_every=4",
+                               config="configs/sae.py:tiny", data_dir=session_tfds_dir)
+    assert np.isfinite(summary["eval_loss"]) and summary["eval_l0"] > 0
+
+
+def test_a_bad_source_or_point_fails_naming_the_key_before_training(source, session_tfds_dir, tmp_path):
+    cases = [({"source": ""}, r"^config\.sae\.source is empty"),
+             ({"source": str(tmp_path / "nowhere")}, r"^config\.sae\.source="),
+             ({"point": "layer_1/bogus"}, r"^config\.sae\.point="),
+             ({"point": "layer_2/resid_post"}, r"^config\.sae\.point=.*2 layers"),
+             ({"point": "layer_0/attn_heads"}, r"^config\.sae\.point=.*attn_heads"),
+             ({"activation": "relu"}, r"^config\.sae\.activation="),
+             ({"k": 65}, r"^config\.sae\.k=")]
+    for change, match in cases:
+        c = _config(source, session_tfds_dir)
+        c.sae.update(change)
+        wd = tmp_path / "run"
+        with pytest.raises(ValueError, match=match) as e:
+            trainer.train(c, str(wd))
+        assert "\n" not in str(e.value)
+        assert not wd.exists()  # refused before the workdir was even made
+    empty = tmp_path / "empty"  # a config.json but no checkpoint
+    os.makedirs(empty)
+    shutil.copy(os.path.join(source, "config.json"), empty / "config.json")
+    with pytest.raises(ValueError, match=r"^config\.sae\.source=.*no checkpoints") as e:
+        trainer.build_task(_config(str(empty), session_tfds_dir), (1, 1, 1))
+    assert "\n" not in str(e.value)
