@@ -147,6 +147,8 @@ def test_rescaling_a_dead_feature_and_steering_with_zero_change_nothing(tiny):
     for r in (0.0, 2.0):
         np.testing.assert_array_equal(_logits(m, p, ff.rescale_edits(saes, dead, r)), base)
     np.testing.assert_array_equal(_logits(m, p, ff.rescale_edits(saes, [(0, "mlp", 3), (1, "res", 5)], 1.0)), base)
+    jitted = lambda e: np.asarray(jax.jit(lambda q: build_model(m, edits=e).apply({"params": q}, TOKENS))(p))  # noqa: E731
+    np.testing.assert_array_equal(jitted(ff.rescale_edits(saes, dead, 0.0)), jitted(None))
     decs = {k: s.params["W_dec"] for k, s in saes.items()}
     nodes = [(1, "res", 2), (1, "att", 4), (0, "mlp", 1), (0, "res", 6)]
     for kind in ff.SCHEDULES:
