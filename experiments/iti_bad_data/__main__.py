@@ -1,18 +1,29 @@
 """"When Bad Data Leads to Good Models" (Li et al., ICML 2025): the toy study of feature
-entanglement against frequency.
+entanglement against frequency, and the tiny-LM study (marker-style data, head probes, ITI).
 
-  python -m experiments.iti_bad_data --workdir=DIR [--preset=tiny|default]
+  python -m experiments.iti_bad_data --workdir=DIR [--preset=tiny|default|lm_tiny|lm]
 
-Each preset names its ``study``; only ``toy`` exists so far (``experiments/iti_bad_data/toy.py``):
-3 Markov chains of 4 tokens each (12 tokens), a 1-layer decoder with a 4-dimensional residual
-stream trained on next-token prediction, one model per (frequency of chain 0, seed), 10 seeds.
+Each preset names its ``study``: ``toy`` (presets tiny, default) or ``lm`` (presets lm_tiny, lm).
+
+Study ``toy`` (``experiments/iti_bad_data/toy.py``): 3 Markov chains of 4 tokens each (12 tokens),
+a 1-layer decoder with a 4-dimensional residual stream trained on next-token prediction, one model
+per (frequency of chain 0, seed), 10 seeds.
 Measured: entanglement E_i = max_{j≠i} |cos| of each token's unembedding direction (lm_head
 column times the final norm's gain; untied embeddings, whose rows are a second reading), averaged
 over the swept chain's 4 tokens and over the other chains' 8, against chain 0's sampling
 frequency, with the Welch bound for 12 vectors in 4 dimensions. Gate: the models learned the
 chains (mean held-out next-token loss below ln 4, the uniform-within-chain loss, by a margin).
 Outputs: DIR/results.csv (one row per run), DIR/results.md, DIR/entanglement.png, DIR/config.json.
-A later "tiny LM" study (toxic-style data, head probes, ITI) is meant to be another ``study``.
+
+Study ``lm`` (``experiments/iti_bad_data/lm.py``, spec section 6 (2)): byte-level decoders trained with
+the normal trainer (``configs/lm.py``, data.name=jsonl) on Shakespeare plus a share x of invented
+"marker-style" text (made-up lexicon words in insult-shaped templates), the same tokens for every x,
+one model per (x, seed). Per model: probes on every head (held-out marker vs clean prompts; validation
+accuracy mean / max / top-8), then ITI (mass-mean directions toward clean, top-K heads, α) measured
+by the marker rate (sampled continuations of marker-style prompts that contain a lexicon word) and the
+capability tax (clean held-out CE increase). Gates: clean CE below the clean unigram entropy; marker
+text generated at x > 0 without intervention. Outputs: DIR/results.csv (one row per (x, seed, K, α);
+K = 0 is no intervention), DIR/results.md, DIR/iti_tradeoff.png, DIR/config.json, corpora and runs.
 """
 import math
 import os
@@ -25,7 +36,21 @@ from experiments.common import (gate_lines, git_commit, markdown_table, mean_spr
 
 _TOY = dict(study="toy", num_chains=3, chain_tokens=4, alpha=0.5, seq_len=16, d_model=4, num_layers=1, num_heads=1,
             head_dim=4, ffn_dim=16, init_std=0.3, lr=1e-2, weight_decay=0.1, gate_margin=0.1)
+_LM_MODEL = dict(d_model=64, num_layers=3, num_heads=4, num_kv_heads=4, head_dim=16, ffn_dim=176)
+_LM = dict(study="lm", background=0.01, piece_len=127, direction="mass_mean", ks=(4, 8), alphas=(4.0, 8.0, 12.0),
+           probe_len=64, temperature=1.0, act_batch=64, tax_budget=0.05, marker_gate=0.05)
 PRESETS = {
+    "lm_tiny": preset(**{**_LM, **dict(
+        xs=(0.0, 0.25), seeds=(0,), docs=64, probe_n=32, prompts=8, new_tokens=12, held=8, ks=(2,), alphas=(8.0,),
+        marker_gate=0.0, run=dict(model=dict(d_model=32, num_layers=2, num_heads=2, num_kv_heads=2, head_dim=16,
+                                             ffn_dim=64),
+                                  train=dict(steps=6, batch_size=4, lr=1e-2, warmup_steps=2, log_every=3,
+                                             eval_every=6, eval_batches=1, checkpoint_every=6)))}),
+    "lm": preset(**{**_LM, **dict(
+        xs=(0.0, 0.05, 0.1, 0.25), seeds=(0, 1), docs=4000, probe_n=400, prompts=200, new_tokens=24, held=128,
+        alphas=(1.0, 2.0, 4.0, 8.0, 12.0),  # the spec's 4, 8, 12 plus weaker ones: at this scale α = 4 costs > 0.1
+        run=dict(model=_LM_MODEL, train=dict(steps=600, batch_size=16, lr=3e-3, warmup_steps=40, log_every=100,
+                                             eval_every=600, eval_batches=2, checkpoint_every=600)))}),
     "tiny": preset(**{**_TOY, **dict(freqs=(0.1, 0.5), seeds=(0, 1), steps=60, warmup_steps=5, batch_size=16,
                                      eval_batch=64, gate_margin=0.0)}),
     "default": preset(**{**_TOY, **dict(freqs=(0.05, 0.1, 0.2, 0.33, 0.5, 0.7), seeds=tuple(range(10)),
@@ -35,7 +60,7 @@ PRESETS = {
 
 def main(argv=None):
     args, exp, elapsed = start(__doc__, PRESETS, argv)
-    studies = {"toy": run_toy}
+    studies = {"toy": run_toy, "lm": run_lm}
     if exp.study not in studies:
         raise ValueError(f"unknown study {exp.study!r}; choose one of {sorted(studies)}")
     return studies[exp.study](args, exp, elapsed)
@@ -63,6 +88,11 @@ def run_toy(args, exp, elapsed):
     toy_plot(exp, rows, bound, os.path.join(wd, "entanglement.png"))
     print(open(os.path.join(wd, "results.md")).read())
     return rows
+
+
+def run_lm(args, exp, elapsed):
+    from experiments.iti_bad_data import lm
+    return lm.run(args, exp, elapsed)
 
 
 def toy_summary(exp, rows):

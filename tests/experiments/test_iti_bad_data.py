@@ -56,3 +56,41 @@ def test_sampled_sequences_stay_in_their_chain():
     assert toks.shape == (256, 12)
     np.testing.assert_array_equal(toks // 4, np.repeat(chains[:, None], 12, 1))
     assert 0.35 < (chains == 0).mean() < 0.65
+
+
+def test_iti_bad_data_lm_tiny_outputs(tmp_path):
+    """The tiny-LM study at its tiny preset: outputs, one row per (x, seed, setting), values in range."""
+    wd = str(tmp_path / "lm")
+    main([f"--workdir={wd}", "--preset=lm_tiny"])
+    exp = PRESETS["lm_tiny"]
+    for name in ("results.csv", "results.md", "iti_tradeoff.png", "config.json"):
+        assert os.path.getsize(os.path.join(wd, name)) > 0, name
+    rows = list(csv.DictReader(open(os.path.join(wd, "results.csv"))))
+    assert len(rows) == len(exp.xs) * len(exp.seeds) * (1 + len(exp.ks) * len(exp.alphas))
+    for r in rows:
+        assert 0.0 <= float(r["marker_rate"]) <= 1.0
+        assert 0.0 <= float(r["acc_mean"]) <= float(r["acc_max"]) <= 1.0
+        assert float(r["clean_ce"]) > 0
+        if r["k"] == "0":
+            assert float(r["tax"]) == 0.0
+    md = open(os.path.join(wd, "results.md")).read()
+    assert "Gates:" in md and "marker rate" in md and "probe acc" in md
+
+
+def test_lm_data_pieces():
+    from experiments.iti_bad_data import lm
+    docs = lm.marker_docs(5, 100, seed=0)
+    assert all(len(d) == 100 and lm.has_marker(d) for d in docs)
+    assert not lm.has_marker(lm._pool("train")) and not lm.has_marker(lm._pool("validation"))
+    corpus = lm.mixed_corpus(0.25, 0.0, 40, 50)
+    assert len(corpus) == 40 and all(len(d) == 50 for d in corpus)
+    assert sum(lm.has_marker(d) for d in corpus) == 10
+    assert lm.mixed_corpus(0.0, 0.0, 40, 50) == lm.clean_pieces("train", 40, 50)
+    assert lm.marker_share(0.1, 0.01) == pytest.approx(0.109)
+    texts, labels = lm.probe_set(10, 64, seed=0)
+    assert list(labels) == [1, 0] * 5
+    for clean, marked in zip(texts[::2], texts[1::2]):
+        assert not lm.has_marker(clean) and lm.has_marker(marked)
+        a, b = clean.split(), marked.split()
+        assert len(a) == len(b) and sum(x != y for x, y in zip(a, b)) <= 1 and a[-1] == b[-1]
+    assert all(lm.has_marker(p) for p in lm.steer_prompts(4, seed=0))
