@@ -181,13 +181,33 @@ def unigram_entropy(texts) -> float:
     return float(-(f * np.log(f)).sum())
 
 
+def pair_split(n: int, seed: int, val_ratio: float = 0.2) -> tuple[np.ndarray, np.ndarray]:
+    """(train, val) row indices with both prompts of a pair (rows 2i, 2i + 1) on the same side: a
+    split by row would put a snippet's twin in val with the opposite label, and a probe that
+    memorised the snippet would score below chance."""
+    from icml_jax.analysis import iti
+    tr, va = iti.train_val_split(n // 2, val_ratio, seed)
+    return np.sort(np.concatenate([2 * tr, 2 * tr + 1])), np.sort(np.concatenate([2 * va, 2 * va + 1]))
+
+
+def fit_paired(acts, labels, direction: str, seed: int) -> dict:
+    """``iti.fit_iti``'s pieces on a split by pair: probes on train, [L, H] val accuracy, unit
+    directions toward label 1 (mass-mean over all rows, or the probe weights) and σ over all rows."""
+    from icml_jax.analysis import iti
+    train, val = pair_split(len(labels), seed)
+    probes = iti.fit_probes(acts[train], labels[train])
+    dirs = iti.mass_mean_directions(acts, labels) if direction == "mass_mean" else iti.probe_directions(probes)
+    return dict(accuracy=iti.validation_accuracy(probes, acts[val], labels[val]), directions=dirs,
+                sigmas=iti.projection_std(acts, dirs))
+
+
 def evaluate(exp, model_cfg, params, tok, probe_texts, probe_labels, prompts, held_tokens, x, seed):
     """Probes, then for every (K, α) the marker rate and clean CE with ITI; one row per setting
     (K = 0 / α = 0: no intervention) and the [L, H] validation accuracies."""
     from icml_jax.analysis import iti
     ptoks, pseg = encode_rows(tok, probe_texts)
     acts = iti.head_activations(model_cfg, params, ptoks, segment_ids=pseg, batch_size=exp.act_batch)
-    fit = iti.fit_iti(acts, probe_labels, k=max(exp.ks), direction=exp.direction, seed=seed)
+    fit = fit_paired(acts, probe_labels, exp.direction, seed)
     acc = fit["accuracy"]
     ce0 = clean_ce(model_cfg, params, held_tokens)
     gen = dict(new_tokens=exp.new_tokens, temperature=exp.temperature, seed=seed)
@@ -315,7 +335,7 @@ def report(exp, rows, accs, gates, meta) -> str:
         "",
         f"Probes: one logistic regression per head on the last-token head output (before o_proj) of {exp.probe_n} "
         "held-out prompts in pairs (a validation Shakespeare snippet with one earlier word replaced by a lexicon "
-        "word = marker-style, or by an ordinary noun = clean), 4:1 train/val split; accuracy on val. "
+        "word = marker-style, or by an ordinary noun = clean), 4:1 train/val split by pair; accuracy on val. "
         f"ITI: {exp.direction} directions toward clean, σ over the probe prompts, top-K "
         f"heads by val accuracy, shift α·σ·θ at the current position of each decoding step. Marker rate: share of "
         f"{exp.prompts} marker-style prompts (a held-out marker sentence + an insult-shaped opening such as "

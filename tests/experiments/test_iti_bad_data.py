@@ -94,3 +94,6 @@ def test_lm_data_pieces():
         a, b = clean.split(), marked.split()
         assert len(a) == len(b) and sum(x != y for x, y in zip(a, b)) <= 1 and a[-1] == b[-1]
     assert all(lm.has_marker(p) for p in lm.steer_prompts(4, seed=0))
+    tr, va = lm.pair_split(20, seed=0)
+    assert len(tr) == 16 and len(va) == 4 and set(tr) | set(va) == set(range(20))
+    assert set(tr // 2).isdisjoint(va // 2)  # a pair never straddles the split
