@@ -319,6 +319,20 @@ def best_under_tax(rows, x, budget):
                         for s in seeds])
 
 
+def remaining_under_tax(rows, x, budget):
+    """Per seed, the best marker rate at tax <= budget divided by the rate without ITI (NaN when that is 0):
+    (mean, s.e., n) over seeds."""
+    from experiments.common import mean_spread
+    seeds = sorted({r["seed"] for r in rows if r["x"] == x})
+    out = []
+    for s in seeds:
+        mine = [r for r in rows if r["x"] == x and r["seed"] == s]
+        base = next(r["marker_rate"] for r in mine if r["k"] == 0)
+        best = min(r["marker_rate"] for r in mine if r["tax"] <= budget)
+        out.append(best / base if base > 0 else float("nan"))
+    return mean_spread(out)
+
+
 def report(exp, rows, accs, gates, meta) -> str:
     from experiments.common import gate_lines, markdown_table, pm
     m = exp.run.model
@@ -346,14 +360,17 @@ def report(exp, rows, accs, gates, meta) -> str:
     ]
     xs = list(exp.xs)
     head = ["x", "marker share", "clean CE", "marker rate (no ITI)", "probe acc mean", "probe acc max",
-            "probe acc top-8", f"best marker rate, tax ≤ {exp.tax_budget:g}"]
+            "probe acc top-8", f"best marker rate, tax ≤ {exp.tax_budget:g}", "its share of the no-ITI rate",
+            "mean tax over the (K, α) grid"]
     tab = []
     for x in xs:
         none = [r for r in rows if r["x"] == x and r["k"] == 0]
         tab.append([f"{x:g}", f"{marker_share(x, exp.background):.3f}", pm(*_agg(none, "clean_ce")[:2]),
                     pm(*_agg(none, "marker_rate")[:2]), pm(*_agg(none, "acc_mean")[:2]),
                     pm(*_agg(none, "acc_max")[:2]), pm(*_agg(none, "acc_top8")[:2]),
-                    pm(*best_under_tax(rows, x, exp.tax_budget)[:2])])
+                    pm(*best_under_tax(rows, x, exp.tax_budget)[:2]),
+                    pm(*remaining_under_tax(rows, x, exp.tax_budget)[:2]),
+                    pm(*_agg([r for r in rows if r["x"] == x and r["k"] > 0], "tax")[:2])])
     lines += ["## Per x (no intervention, probes)", "", markdown_table(head, tab), ""]
     tab = []
     for k in exp.ks:
@@ -372,7 +389,11 @@ def report(exp, rows, accs, gates, meta) -> str:
               f"{'rises monotonically' if rises else 'not monotone'} with x (spec: rises).",
               f"- Best marker rate at tax ≤ {exp.tax_budget:g}: {', '.join(f'{x:g}: {best[x]:.3f}' for x in xs)}"
               + (f"; middle x below x = 0: {', '.join(f'{x:g}: {best[x] < best[min(xs)]}' for x in mids)}"
-                 if mids and min(xs) == 0 else "") + " (spec: a middle x, about 10%, lower than x = 0).", ""]
+                 if mids and min(xs) == 0 else "") + " (spec: a middle x, about 10%, lower than x = 0; when the "
+              "x = 0 model emits no marker text the comparison is moot).",
+              "- Tax at the same settings: mean tax over the (K, α) grid by x: "
+              + ", ".join(f"{x:g}: {_agg([r for r in rows if r['x'] == x and r['k'] > 0], 'tax')[0]:.3f}" for x in xs)
+              + " (the paper: a lower alignment tax after more toxic pretraining).", ""]
     return "\n".join(lines)
 
 
