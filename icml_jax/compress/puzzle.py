@@ -359,7 +359,7 @@ def score_pairs(m, params, vparams: Mapping, pairs: Sequence[tuple[Variant, Vari
 def variant_costs(m, v: Variant, bytes_per_value: int = 2) -> dict:
     """Exact {"params" (weights + norm), "kv_bytes" (per token)} of one layer's variant."""
     w, n = hetero.sub_block_params(m, v.kind, v.part)
-    kv = 2 * v.kind * m.head_dim * bytes_per_value if v.part == ATTN and isinstance(v.kind, int) else 0
+    kv = hetero.sub_block_kv_bytes(m, v.kind, bytes_per_value) if v.part == ATTN else 0
     return {"params": w + n, "kv_bytes": kv}
 
 

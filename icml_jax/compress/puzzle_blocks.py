@@ -1,4 +1,4 @@
-"""Puzzle's block variants, initialised from the parent, and their exact costs
+"""Puzzle's block variants, initialised from the parent
 (docs/methods/puzzle.md). Params are one block's ``attn`` / ``mlp`` sub-trees of our decoder
 (``qkv`` [D, G, R+2, K], ``out`` [G, R, K, D]; ``wi`` [D, 2, F] or [D, F], ``wo`` [F, D]).
 
@@ -7,7 +7,7 @@
   fewer KV heads   new KV head j covers parent KV heads j*g .. j*g+g-1 (g = G / G'): its key and
                    value projections start as their mean, and it serves all their query heads
                    (R' = R*g), so the query and output projections are only regrouped.
-  linear / no-op   a D x D map (D^2 parameters, no KV cache) / nothing (0 and 0).
+  (Costs: ``hetero.sub_block_params`` / ``sub_block_kv_bytes``, through ``puzzle.variant_costs``.)
 """
 from __future__ import annotations
 
@@ -52,32 +52,3 @@ def merge_kv_heads(attn: dict, kv_heads: int) -> dict:
         b = np.asarray(attn["qkv_bias"]).reshape(kv_heads, g, C, K)
         out["qkv_bias"] = np.concatenate([b[:, :, :R].reshape(kv_heads, g * R, K), b[:, :, R:].mean(1)], axis=1)
     return out
-
-
-def attention_params(d_model: int, num_heads: int, kv_heads: int, head_dim: int) -> int:
-    """Weights of a GQA attention block (q, k, v, o; no biases)."""
-    return d_model * (num_heads + 2 * kv_heads) * head_dim + num_heads * head_dim * d_model
-
-
-def ffn_params(d_model: int, width: int, gated: bool = True) -> int:
-    return (3 if gated else 2) * d_model * width
-
-
-def kv_bytes_per_token(kv_heads: int, head_dim: int, bytes_per_value: int = 2) -> int:
-    """KV-cache bytes one token adds to one layer (keys and values)."""
-    return 2 * kv_heads * head_dim * bytes_per_value
-
-
-def variant_costs(kind: str, d_model: int, *, num_heads: int = 0, head_dim: int = 0, kv_heads: int = 0,
-                  width: int = 0, gated: bool = True, bytes_per_value: int = 2) -> dict:
-    """{"params", "kv_bytes"} of one variant: kind attention | ffn | linear | noop."""
-    if kind == "attention":
-        return {"params": attention_params(d_model, num_heads, kv_heads, head_dim),
-                "kv_bytes": kv_bytes_per_token(kv_heads, head_dim, bytes_per_value)}
-    if kind == "ffn":
-        return {"params": ffn_params(d_model, width, gated), "kv_bytes": 0}
-    if kind == "linear":
-        return {"params": d_model * d_model, "kv_bytes": 0}
-    if kind == "noop":
-        return {"params": 0, "kv_bytes": 0}
-    raise ValueError(f"variant kind must be attention | ffn | linear | noop, got {kind!r}")

@@ -206,6 +206,12 @@ def attention_layers(m) -> int:
     return sum(isinstance(a, int) for a, _ in layout(m))
 
 
+def sub_block_kv_bytes(m, kind, bytes_per_value: int = 2) -> int:
+    """KV-cache bytes one token adds to one attention variant (keys and values; 0 for linear /
+    no-op)."""
+    return 2 * kind * m.head_dim * bytes_per_value if isinstance(kind, int) else 0
+
+
 def kv_bytes_per_token(m, bytes_per_value: int = 2) -> int:
     """KV-cache bytes one token adds over all layers (keys and values)."""
-    return sum(2 * a * m.head_dim * bytes_per_value for a, _ in layout(m) if isinstance(a, int))
+    return sum(sub_block_kv_bytes(m, a, bytes_per_value) for a, _ in layout(m))

@@ -7,7 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from icml_jax.compress import puzzle
 from icml_jax.compress import puzzle_blocks as pb
+from icml_jax.models import hetero
 from icml_jax.config_utils import load_config
 from icml_jax.models.attention import Attention
 from icml_jax.models.mlp import GatedMLP
@@ -49,7 +51,7 @@ def test_kv_merge_identity_and_duplicated_heads(setup):
                                _attn(c, dup, x, pos, seg), atol=1e-5)
     # and the count formula is the module's
     n = sum(v.size for v in jax.tree.leaves(merged))
-    assert n == pb.attention_params(c.d_model, c.num_heads, 1, c.head_dim)
+    assert n == hetero.sub_block_params(c, 1, "attention")[0]
     with pytest.raises(ValueError, match="must divide"):
         pb.merge_kv_heads(params, 3)
 
@@ -69,12 +71,15 @@ def test_ffn_shrink_identity_and_subset(setup):
     small = _with(c, ffn_dim=16)
     y_small = GatedMLP(small).apply({"params": pb.shrink_ffn(params, keep)}, x)[0]
     np.testing.assert_allclose(y_small, np.asarray(acts)[..., keep] @ params["wo"][keep], atol=1e-5)
-    assert sum(v.size for v in jax.tree.leaves(pb.shrink_ffn(params, keep))) == pb.ffn_params(c.d_model, 16)
+    assert sum(v.size for v in jax.tree.leaves(pb.shrink_ffn(params, keep))) == hetero.sub_block_params(c, 16, "ffn")[0]
 
 
-def test_variant_costs():
-    assert pb.variant_costs("noop", 64) == {"params": 0, "kv_bytes": 0}
-    assert pb.variant_costs("linear", 64) == {"params": 64 * 64, "kv_bytes": 0}
-    assert pb.variant_costs("attention", 64, num_heads=8, head_dim=8, kv_heads=2)["kv_bytes"] == 2 * 2 * 8 * 2
-    with pytest.raises(ValueError, match="variant kind"):
-        pb.variant_costs("moe", 64)
+def test_variant_costs(setup):
+    """The spec's property 7: no-op = 0 params and 0 KV bytes, linear = exactly D^2 weights (plus
+    its sub-block's norm), attention KV bytes = 2 G' K per token per byte."""
+    c = setup[0]
+    D = c.d_model
+    assert puzzle.variant_costs(c, puzzle.Variant("attention", "noop")) == {"params": 0, "kv_bytes": 0}
+    assert hetero.sub_block_params(c, "linear", "ffn") == (D * D, D)
+    assert puzzle.variant_costs(c, puzzle.Variant("ffn", "linear")) == {"params": D * D + D, "kv_bytes": 0}
+    assert puzzle.variant_costs(c, puzzle.Variant("attention", 1))["kv_bytes"] == 2 * 1 * c.head_dim * 2
