@@ -96,6 +96,7 @@ def train_all(exp, freqs, seeds):
     import jax.numpy as jnp
     import optax
 
+    from icml_jax.losses.logps import token_logprobs
     from icml_jax.models import build_model
     m = model_config(exp)
     model = build_model(m)
@@ -119,8 +120,7 @@ def train_all(exp, freqs, seeds):
 
     def loss_fn(params, toks):
         logits = model.apply({"params": params}, toks[:, :-1])
-        nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), toks[:, 1:, None], axis=-1)[..., 0]
-        return nll.mean(axis=1)  # per sequence [B]
+        return -token_logprobs(logits, toks[:, 1:]).mean(axis=1)  # per sequence [B]
 
     def train_one(k_init, k_data, lp, lc):
         params = init(k_init)

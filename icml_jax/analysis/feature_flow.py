@@ -30,10 +30,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from icml_jax.models import hooks
+from icml_jax.models.sae import unit_decoder
 
 MODULES = ("res", "mlp", "att")
 POINT_OF = {"res": "resid_post", "mlp": "mlp_out", "att": "attn_out"}
@@ -94,7 +96,7 @@ def match_matrix(dec_a, dec_b, k: int = 1) -> np.ndarray:
     """The spec's general form T^(A→B) = 1_{x>0}[topk(Ŵ_A Ŵ_Bᵀ)]: bool [Ma, Mb], True at each row's
     top-k entries whose cosine is positive."""
     idx, sim = match(dec_a, dec_b, k)
-    t = np.zeros((idx.shape[0], _unit(dec_b).shape[0]), bool)
+    t = np.zeros((idx.shape[0], np.shape(dec_b)[0]), bool)
     np.put_along_axis(t, idx, sim > 0, axis=1)
     return t
 
@@ -231,12 +233,7 @@ class SAEAt(NamedTuple):
         return self.module.apply({"params": self.params}, x)[1]
 
     def decoder(self):
-        return _unit_jnp(self.params["W_dec"])
-
-
-def _unit_jnp(w):
-    w = jnp.asarray(w, jnp.float32)
-    return w / jnp.maximum(jnp.linalg.norm(w, axis=-1, keepdims=True), 1e-12)
+        return unit_decoder(jax.tree.map(lambda w: jnp.asarray(w, jnp.float32), self.params))
 
 
 def _group(nodes: Iterable) -> dict:
@@ -257,10 +254,11 @@ def rescale_fn(sae: SAEAt, features: Iterable[int], r: float):
     feats = jnp.asarray(sorted(set(int(j) for j in features)), jnp.int32)
     scale = float(r) - 1.0
 
+    dec_F = sae.decoder()[feats]  # once, not at every forward / decode step
+
     def fn(x):
         a = sae.encode(x.astype(jnp.float32))[..., feats]  # [..., |F|]
-        delta = scale * (a @ sae.decoder()[feats])
-        return x + delta.astype(x.dtype)
+        return x + (scale * (a @ dec_F)).astype(x.dtype)
     return fn
 
 

@@ -27,6 +27,7 @@ with depth.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Mapping, Sequence
 
@@ -219,7 +220,7 @@ def init_variant(m, layer: Mapping, v: Variant, calib: Mapping | None = None) ->
 
 def calibration(m, params, batch) -> list[dict]:
     """Per layer, numpy ``acts`` / ``ffn_in`` / ``ffn_out`` over the batch's valid tokens."""
-    io = jax.jit(lambda p, b: parent_io(m, p, b))(params, batch)
+    io = _parent_io_fn(_frozen(m))(params, batch)
     valid = np.asarray(batch["segment_ids"]).reshape(-1) > 0
     flat = lambda x: np.asarray(x).reshape(-1, x.shape[-1])[valid]  # noqa: E731
     return [{k: flat(io[k][i]) for k in ("acts", "ffn_in", "ffn_out")} for i in range(m.num_layers)]
@@ -303,6 +304,17 @@ def train_bld(m, params, library: Sequence[Variant], vparams: Mapping, batches, 
 
 # ----------------------------------------------------------------------------- scoring
 
+def _frozen(m):
+    return m if isinstance(m, ml_collections.FrozenConfigDict) else ml_collections.FrozenConfigDict(m)
+
+
+@functools.lru_cache(maxsize=16)
+def _parent_io_fn(m):
+    """``parent_io`` jitted once per (frozen) model config, reused across calls."""
+    return jax.jit(lambda p, b: parent_io(m, p, b))
+
+
+@functools.lru_cache(maxsize=256)
 def _swap_fn(m, a: Variant, f: Variant, score: str):
     """jitted (params, pa, pf, layer, batch, parent_logps) -> score summed over valid tokens, count."""
     A0, F0 = Variant(ATTN, m.num_kv_heads), Variant(FFN, m.ffn_dim)
@@ -342,11 +354,11 @@ def score_pairs(m, params, vparams: Mapping, pairs: Sequence[tuple[Variant, Vari
     """{(layer, a.name, f.name): score} for every layer and pair, on ``batch`` (one array batch)."""
     if score not in ("kl_div", "lm_loss"):
         raise ValueError(f"puzzle_score={score!r}: choose kl_div | lm_loss")
-    io = jax.jit(lambda p, b: parent_io(m, p, b))(params, batch)
+    io = _parent_io_fn(_frozen(m))(params, batch)
     parent_logp = jax.nn.log_softmax(io["logits"].astype(jnp.float32), -1)
     out = {}
     for a, f in pairs:
-        fn = _swap_fn(m, a, f, score)
+        fn = _swap_fn(_frozen(m), a, f, score)
         for layer in (range(m.num_layers) if layers is None else layers):
             s, n = fn(params, _pick(vparams, a, layer), _pick(vparams, f, layer), jnp.int32(layer), batch,
                       io["attn_in"], parent_logp)

@@ -43,10 +43,11 @@ def fraction_of_variance_unexplained(x, x_hat, w):
 
 
 def sae_loss(x, x_hat, z, w, *, l0=None, l0_coef: float = 0.0, aux_hat=None,
-             aux_coef: float = 0.0):
+             aux_coef: float = 0.0, dead=None):
     """(loss sum, valid tokens, metric sums) of one batch; ``l0`` [...] the per-token active
     count (differentiable in the thresholds for jumprelu), ``aux_hat`` [..., D] the AuxK
-    reconstruction of the residual (None: no AuxK term)."""
+    reconstruction of the residual (None: no AuxK term), ``dead`` [M] ``dead_latents(z, w)`` if
+    the caller has it already."""
     x, x_hat = x.astype(jnp.float32), x_hat.astype(jnp.float32)
     w = w.astype(jnp.float32)
     n = w.sum()
@@ -59,7 +60,7 @@ def sae_loss(x, x_hat, z, w, *, l0=None, l0_coef: float = 0.0, aux_hat=None,
         "mse": mse,
         "l0": jax.lax.stop_gradient(l0_sum),
         "fvu": jax.lax.stop_gradient(fraction_of_variance_unexplained(x, x_hat, w)) * n,
-        "dead": dead_latents(z, w).astype(jnp.float32).mean() * n,
+        "dead": (dead_latents(z, w) if dead is None else dead).astype(jnp.float32).mean() * n,
     }
     if aux_hat is not None:
         residual = jax.lax.stop_gradient(x - x_hat)

@@ -153,14 +153,14 @@ class SAETask(LMTask):
         x = batch["activations"]
         w = (batch["segment_ids"] > 0).astype(jnp.float32)
         x_hat, z, d = self.model.apply({"params": params}, x, details=True)
-        aux_hat = None
+        aux_hat = dead = None
         if s.activation == "topk" and s.aux_k:
             dead = dead_latents(z, w)
             z_aux = topk_relu(jnp.where(dead, d["pre"], -jnp.inf), int(s.aux_k))
             aux_hat = z_aux @ d["decoder"]
         l0_coef = float(s.l0_coef) if s.activation == "jumprelu" else 0.0
         return sae_loss(x, x_hat, z, w, l0=d["l0"], l0_coef=l0_coef, aux_hat=aux_hat,
-                        aux_coef=float(s.aux_coef))
+                        aux_coef=float(s.aux_coef), dead=dead)
 
     def train_iterator(self, seed: int, shard=None):
         return TeacherIterator(super().train_iterator(seed, shard), self.activations)
