@@ -27,6 +27,7 @@ rows are unit-normalised again here, so any row scale gives the same matches.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
@@ -247,31 +248,46 @@ def _group(nodes: Iterable) -> dict:
     return out
 
 
+@functools.lru_cache(maxsize=64)
+def _rescale(module):
+    """The rescale edit of an SAE module, x, (params, feats, scale) -> x + scale·a_F(x) Ŵ_F (one
+    function per module, so Edits of any arrays share their static half)."""
+    def fn(x, a):
+        z = module.apply({"params": a["params"]}, x.astype(jnp.float32))[1][..., a["feats"]]  # [..., |F|]
+        return x + (a["scale"] * (z @ a["dec_F"])).astype(x.dtype)
+    return fn
+
+
+def rescale_args(sae: SAEAt, features: Iterable[int], r) -> dict:
+    """The arrays of ``rescale_fn``'s edit: the SAE's params (float32), the feature indices, their
+    unit decoder rows (normalised once here, not at every decode step) and r − 1."""
+    params = jax.tree.map(lambda w: jnp.asarray(w, jnp.float32), sae.params)
+    feats = jnp.asarray(sorted(set(int(j) for j in features)), jnp.int32)
+    return {"params": params, "feats": feats, "dec_F": unit_decoder(params)[feats],
+            "scale": jnp.asarray(r, jnp.float32) - 1.0}
+
+
 def rescale_fn(sae: SAEAt, features: Iterable[int], r: float):
     """x -> x + (r − 1)·Σ_{j∈features} a_j v_j at every token, a = ``sae``'s activations of x and v_j
     its unit decoder rows (spec §2's rescaling; r = 0 removes the features' decoder contribution,
     which equals x̂ with those latents zeroed minus x̂). Computed in float32, added in x's dtype."""
-    feats = jnp.asarray(sorted(set(int(j) for j in features)), jnp.int32)
-    scale = float(r) - 1.0
-
-    dec_F = sae.decoder()[feats]  # once, not at every forward / decode step
-
-    def fn(x):
-        a = sae.encode(x.astype(jnp.float32))[..., feats]  # [..., |F|]
-        return x + (scale * (a @ dec_F)).astype(x.dtype)
-    return fn
+    fn, a = _rescale(sae.module), rescale_args(sae, features, r)
+    return lambda x: fn(x, a)
 
 
 def rescale_edits(saes: Mapping, nodes: Iterable, r: float = 0.0) -> hooks.Edits:
     """A ``hooks.Edits`` rescaling features at their points: ``nodes`` are (layer, module, index)
     (e.g. a feature's top-1 predecessor, or a flow graph's nodes); ``saes``: {(layer, module):
     SAEAt}. Features of one point are rescaled together. Edits downstream encode the already
-    edited stream (each edit applies where its value is made)."""
+    edited stream (each edit applies where its value is made). The SAE params, indices and r are
+    the edits' array arguments: decoding compiles once per set of points and feature counts."""
     groups = _group(nodes)
     missing = [k for k in groups if k not in saes]
     if missing:
         raise ValueError(f"no SAE for {missing}")
-    return hooks.Edits({hook_name(*k): rescale_fn(saes[k], js, r) for k, js in groups.items()})
+    names = {k: hook_name(*k) for k in groups}
+    return hooks.Edits({names[k]: _rescale(saes[k].module) for k in groups},
+                       args={names[k]: rescale_args(saes[k], js, r) for k, js in groups.items()})
 
 
 def schedule(layers: Iterable[int], s: float, kind: str = "constant", alpha: float = EXP_ALPHA,
@@ -308,7 +324,8 @@ def steer_edits(decoders: Mapping, nodes: Iterable, s: float, kind: str = "const
     index) (spec §2's activation steering): pass a flow graph's nodes (``graph_nodes``) for
     cumulative steering, or one node for single-layer steering. s_ℓ follows ``schedule`` over the
     nodes' layers; ``fold``: {node: typical activation} multiplies each node's strength. v_n is the
-    unit row of ``decoders[(layer, module)]``; nodes of one point are summed."""
+    unit row of ``decoders[(layer, module)]``; nodes of one point are summed. The vectors are the
+    edits' array arguments: a sweep over s compiles one decoding program per set of points."""
     nodes = [tuple(n) for n in nodes]
     groups = _group(nodes)
     sl = schedule([l for l, _ in groups], s, kind, alpha, s_end)
@@ -320,11 +337,9 @@ def steer_edits(decoders: Mapping, nodes: Iterable, s: float, kind: str = "const
         vec = np.zeros(dec.shape[1])
         for j in js:
             vec += sl[layer] * (1.0 if fold is None else float(fold[(layer, m, j)])) * dec[j]
-        edits[hook_name(layer, m)] = _add_fn(jnp.asarray(vec, dtype))
-    return hooks.Edits(edits)
+        edits[hook_name(layer, m)] = jnp.asarray(vec, dtype)
+    return hooks.Edits({n: _add for n in edits}, args=edits)
 
 
-def _add_fn(vec):
-    def fn(x):
-        return x + vec.astype(x.dtype)
-    return fn
+def _add(x, vec):
+    return x + vec.astype(x.dtype)

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from icml_jax.models import sparse_ffn
+from icml_jax.models import hooks, sparse_ffn
 from icml_jax.models.decoder import build_model
 from icml_jax.models.layers import layer_order_key
 from icml_jax.models.mlp import is_gated
@@ -130,9 +130,10 @@ def _gather_stats(intermediates) -> dict:
 
 @functools.partial(jax.jit, static_argnames=("model", "max_new", "mode", "return_logits", "return_stats"))
 def _generate(model, params, sparsity, tokens_BP, positions_BP, segments_BP, key, temperature, top_k,
-              top_p, stop_tokens, pad_id, *, max_new: int, mode: SamplerMode, return_logits: bool,
+              top_p, stop_tokens, pad_id, edit_args, *, max_new: int, mode: SamplerMode, return_logits: bool,
               return_stats: bool = False):
     B, P = tokens_BP.shape
+    model = hooks.bind_model(model, edit_args)
     cache = init_cache(model, B, P + max_new)
     variables = {"params": params}
     if sparsity is not None:
@@ -201,8 +202,9 @@ def _generate(model, params, sparsity, tokens_BP, positions_BP, segments_BP, key
 # ----------------------------------------------------------------------------- teacher-forced scoring
 
 @functools.partial(jax.jit, static_argnames=("model", "prompt_len"))
-def _scored(model, params, tokens_BT, *, prompt_len: int):
+def _scored(model, params, tokens_BT, edit_args, *, prompt_len: int):
     """(log p(token_i | tokens_<i) [B, T - 1], the argmax token at each of those steps [B, T - 1])."""
+    model = hooks.bind_model(model, edit_args)
     B, T = tokens_BT.shape
     P = prompt_len
     cache = init_cache(model, B, T)
@@ -246,8 +248,8 @@ def scored_decode(model_cfg: ml_collections.ConfigDict, params, tokens, *, promp
                          f"{model_cfg.max_seq_len}")
     if kv_policy is not None:
         model_cfg = _with_kv_policy(model_cfg, kv_policy)
-    lps, tops = _scored(build_model(model_cfg, decode=True, edits=edits), params, jnp.asarray(tokens),
-                        prompt_len=int(prompt_len))
+    model, edit_args = hooks.split_model(build_model(model_cfg, decode=True, edits=edits))
+    lps, tops = _scored(model, params, jnp.asarray(tokens), edit_args, prompt_len=int(prompt_len))
     return (np.asarray(lps), np.asarray(tops)) if return_argmax else np.asarray(lps)
 
 
@@ -353,10 +355,11 @@ def generate(model_cfg: ml_collections.ConfigDict, params, prompts_tokens: Seque
     model_cfg = _with_capacity(model_cfg, sparse_capacity, sparsity, len(prompts_tokens))
     if kv_policy is not None:
         model_cfg = _with_kv_policy(model_cfg, kv_policy)
+    model, edit_args = hooks.split_model(build_model(model_cfg, decode=True, edits=edits))
     out, lengths, lps, lgs, stats = _generate(
-        build_model(model_cfg, decode=True, edits=edits), params, sparsity, tokens, positions, segments, key,
+        model, params, sparsity, tokens, positions, segments, key,
         jnp.float32(temperature if not greedy else 1.0), jnp.int32(top_k), jnp.float32(top_p),
-        stops, jnp.int32(pad_id), max_new=int(max_new_tokens), mode=mode,
+        stops, jnp.int32(pad_id), edit_args, max_new=int(max_new_tokens), mode=mode,
         return_logits=return_logits, return_stats=return_sparse_stats)
     return GenerateOutput(np.asarray(out), np.asarray(lengths), np.asarray(lps),
                           np.asarray(lgs) if return_logits else None,

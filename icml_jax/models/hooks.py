@@ -20,6 +20,14 @@ program, hashable), e.g. ``build_model(cfg, edits=Edits({"layer_1/attn_heads": f
 positions is an edit of the current token. A point with no edit and no capture adds nothing to
 the program. Layers that a heterogeneous layout makes linear or no-op have only the residual
 points (and ``attn_out`` / ``mlp_out`` for linear sub-blocks).
+
+**Edits with array arguments.** ``Edits({name: fn}, args={name: pytree})`` calls ``fn(x, args[name])``:
+the arrays (a steering vector, a strength, an SAE's params, feature indices) are arguments of the
+program, not constants in it, so ``generate`` / ``scored_decode`` compile once for every value of
+them (sweeping a strength reuses one compiled program; closed-over arrays would be baked into it
+and recompiled for each new function). Inside a jitted function of your own, build the ``Edits``
+there with traced ``args``. Two ``Edits`` are equal when their functions are the same objects and
+their arguments the same arrays (``split`` / ``bind`` separate them for a jitted program).
 """
 from __future__ import annotations
 
@@ -33,12 +41,27 @@ COLLECTION = "hooks"
 _NAME = re.compile(r"^layer_(\d+)/(\w+)$")
 
 
-class Edits:
-    """A static, hashable mapping ``layer_{i}/{point} -> fn`` (functions compare by identity)."""
+class _Unbound:
+    """Stands for the arguments ``Edits.split`` took out (the program's static half)."""
 
-    def __init__(self, mapping: Mapping[str, Callable] | None = None):
+    def __repr__(self):
+        return "<unbound>"
+
+
+UNBOUND = _Unbound()
+
+
+class Edits:
+    """A static, hashable mapping ``layer_{i}/{point} -> fn`` (functions compare by identity);
+    ``args``: {name: pytree of arrays} for the names whose function takes them, ``fn(x, a)``."""
+
+    def __init__(self, mapping: Mapping[str, Callable] | None = None, args: Mapping | None = None):
+        mapping, args = dict(mapping or {}), dict(args or {})
+        unknown = sorted(set(args) - set(mapping))
+        if unknown:
+            raise ValueError(f"hook edit args for {unknown} have no edit function (edits: {sorted(mapping)})")
         items = []
-        for name, fn in dict(mapping or {}).items():
+        for name, fn in mapping.items():
             m = _NAME.match(name)
             if not m or m.group(2) not in POINTS:
                 raise ValueError(f"hook name {name!r}: use 'layer_<i>/<point>' with a point in {POINTS}")
@@ -46,25 +69,86 @@ class Edits:
                 raise ValueError(f"hook {name!r}: the edit must be a function x -> x, got {type(fn).__name__}")
             items.append((int(m.group(1)), m.group(2), fn))
         self.items = tuple(sorted(items, key=lambda t: (t[0], POINTS.index(t[1]))))
+        self.args = args
 
     def layer(self, i: int) -> tuple:
-        """This layer's ((point, fn), ...), the static field a block carries."""
-        return tuple((p, fn) for layer, p, fn in self.items if layer == i)
+        """This layer's ((point, fn), ...), the static field a block carries; functions with
+        arguments come bound to them."""
+        out = []
+        for layer, p, fn in self.items:
+            if layer != i:
+                continue
+            name = f"layer_{layer}/{p}"
+            if name in self.args:
+                a = self.args[name]
+                if a is UNBOUND:
+                    raise ValueError(f"hook edit {name!r}: its arguments were split off (Edits.split); "
+                                     "bind them inside the jitted program (Edits.bind)")
+                fn = _bound(fn, a)
+            out.append((p, fn))
+        return tuple(out)
+
+    def split(self) -> tuple["Edits", dict | None]:
+        """(these edits without their arrays: static, hashable by structure; the arrays, or None)."""
+        if not self.args:
+            return self, None
+        return self._with({n: UNBOUND for n in self.args}), dict(self.args)
+
+    def bind(self, args: Mapping | None) -> "Edits":
+        """These edits with ``args`` (e.g. traced ones inside a jitted program) in place of the
+        split-off arrays."""
+        if args is None:
+            return self
+        if set(args) != set(self.args):
+            raise ValueError(f"hook edit args for {sorted(args)} do not match the edits' {sorted(self.args)}")
+        return self._with(dict(args))
+
+    def _with(self, args: dict) -> "Edits":
+        e = Edits.__new__(Edits)
+        e.items, e.args = self.items, args
+        return e
 
     def max_layer(self) -> int:
         return max((layer for layer, _, _ in self.items), default=-1)
+
+    def _key(self):
+        # arrays compare by identity: equal values in two arrays compile twice, but a program
+        # never runs with another array's values baked into it
+        return self.items, tuple(sorted(
+            (n, "-" if a is UNBOUND else tuple(id(x) for x in jax.tree.leaves(a))) for n, a in self.args.items()))
 
     def __bool__(self):
         return bool(self.items)
 
     def __hash__(self):
-        return hash(self.items)
+        return hash(self._key())
 
     def __eq__(self, other):
-        return isinstance(other, Edits) and self.items == other.items
+        return isinstance(other, Edits) and self._key() == other._key()
 
     def __repr__(self):
         return f"Edits({[f'layer_{i}/{p}' for i, p, _ in self.items]})"
+
+
+def _bound(fn, a):
+    def edit(x):
+        return fn(x, a)
+    return edit
+
+
+def split_model(model):
+    """(``model`` with its edits' arrays split off, the arrays or None): a jitted decoding
+    program's static model and traced argument (``bind_model`` inside the program)."""
+    edits = getattr(model, "edits", None)
+    if not edits:
+        return model, None
+    static, args = edits.split()
+    return (model if args is None else model.clone(edits=static)), args
+
+
+def bind_model(model, args):
+    """Inside the jitted program: ``model`` with the split-off edit arrays bound again."""
+    return model if args is None else model.clone(edits=model.edits.bind(args))
 
 
 def point(module, name: str, x, edits: tuple = ()):

@@ -94,6 +94,38 @@ def test_edits_reach_kv_cache_decoding(tiny, policy):
     np.testing.assert_allclose(got[0], want, rtol=1e-5, atol=1e-5)
 
 
+def test_edit_arguments_are_traced_one_compile_for_every_value(tiny):
+    """Edits with ``args``: the arrays enter generate / scored_decode as arguments (one compile for a
+    sweep of strengths), the results equal the same edit with the values closed over, and two Edits
+    with different arrays never compare equal (no program with another's values baked in)."""
+    from icml_jax.inference import decode
+    m, p = tiny
+    v = p["io"]["embedding"][7]
+    add = lambda x, a: x + a["s"] * a["v"]  # noqa: E731
+    prompt, seq = [[5, 6, 7, 8]], np.asarray([[5, 6, 7, 8, 9, 10, 11]])
+    n_gen, n_sc = decode._generate._cache_size(), decode._scored._cache_size()
+    for s in (0.0, 0.5, 2.0):
+        ed = hooks.Edits({"layer_1/resid_post": add}, args={"layer_1/resid_post": {"s": jnp.float32(s), "v": v}})
+        closed = {"layer_1/resid_post": lambda x, s=s: x + s * v}
+        got = generate(m, p, prompt, key=jax.random.key(0), max_new_tokens=4, temperature=0, edits=ed)
+        want = generate(m, p, prompt, key=jax.random.key(0), max_new_tokens=4, temperature=0, edits=closed)
+        np.testing.assert_array_equal(got.tokens, want.tokens)
+        np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(scored_decode(m, p, seq, prompt_len=4, edits=ed),
+                                   scored_decode(m, p, seq, prompt_len=4, edits=closed), rtol=1e-6, atol=1e-6)
+    # the three argument-edits share one program each; the closed-over ones compiled one per value
+    assert decode._generate._cache_size() - n_gen == 1 + 3
+    assert decode._scored._cache_size() - n_sc == 1 + 3
+    a = {"layer_1/resid_post": {"s": jnp.float32(1.0), "v": v}}
+    b = {"layer_1/resid_post": {"s": jnp.float32(1.0), "v": v + 1}}
+    assert hooks.Edits({"layer_1/resid_post": add}, a) != hooks.Edits({"layer_1/resid_post": add}, b)
+    assert hooks.Edits({"layer_1/resid_post": add}, a).split()[0] == hooks.Edits({"layer_1/resid_post": add}, b).split()[0]
+    with pytest.raises(ValueError, match="split off"):
+        build_model(m, edits=hooks.Edits({"layer_1/resid_post": add}, a).split()[0]).apply({"params": p}, TOKENS)
+    with pytest.raises(ValueError, match="no edit function"):
+        hooks.Edits({"layer_1/resid_post": add}, {"layer_0/resid_post": 1.0})
+
+
 def test_bad_hooks_fail_clearly(tiny):
     m, p = tiny
     with pytest.raises(ValueError, match="use 'layer_<i>/<point>'"):

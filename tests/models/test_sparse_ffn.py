@@ -255,7 +255,7 @@ def test_gather_rows_are_prepared_outside_the_decode_loop():
         decode._generate.__wrapped__, build_model(cfg, decode=True), max_new=4,
         mode=decode.SamplerMode(True, False, False), return_logits=False))(
         params, thresholds_tree(cfg, [0.05, 0.05]), tokens, positions, segments, jax.random.key(0),
-        1.0, 0, 1.0, jnp.asarray([-1]), 0)
+        1.0, 0, 1.0, jnp.asarray([-1]), 0, None)
     (loop,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "while"]
     body = str(loop.params["body_jaxpr"])
     F, D = cfg.ffn_dim, cfg.d_model
