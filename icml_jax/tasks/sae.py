@@ -103,6 +103,21 @@ def capture_point(model, point: str, params, rows: dict):
     return acts.astype(jnp.float32) * (rows["segment_ids"] > 0)[..., None]
 
 
+def sae_objective(module: SAE, params, x, w, *, aux_k: int = 0, aux_coef: float = 1.0 / 32,
+                  l0_coef: float = 0.0):
+    """``losses.sae.sae_loss``'s (loss sum, tokens, metric sums) of ``module`` on activations
+    ``x`` [..., D] with token weights ``w`` [...]: for topk with ``aux_k`` > 0 the AuxK term over
+    the latents dead in this batch (their top-``aux_k`` pre-activations reconstruct the residual);
+    for jumprelu the L0 penalty ``l0_coef``."""
+    x_hat, z, d = module.apply({"params": params}, x, details=True)
+    aux_hat = dead = None
+    if module.activation == "topk" and aux_k:
+        dead = dead_latents(z, w)
+        aux_hat = topk_relu(jnp.where(dead, d["pre"], -jnp.inf), int(aux_k)) @ d["decoder"]
+    return sae_loss(x, x_hat, z, w, l0=d["l0"], l0_coef=l0_coef if module.activation == "jumprelu" else 0.0,
+                    aux_hat=aux_hat, aux_coef=aux_coef, dead=dead)
+
+
 @TASKS.register("sae")
 class SAETask(LMTask):
     """Packed LM rows plus ``activations`` float32 [B, T, D] of the source's hook point."""
@@ -150,17 +165,9 @@ class SAETask(LMTask):
     def loss(self, params, batch):
         """(Σ per-token SAE loss, valid tokens, sums of mse / l0 / fvu / dead [/ auxk])."""
         s = self.config.sae
-        x = batch["activations"]
         w = (batch["segment_ids"] > 0).astype(jnp.float32)
-        x_hat, z, d = self.model.apply({"params": params}, x, details=True)
-        aux_hat = dead = None
-        if s.activation == "topk" and s.aux_k:
-            dead = dead_latents(z, w)
-            z_aux = topk_relu(jnp.where(dead, d["pre"], -jnp.inf), int(s.aux_k))
-            aux_hat = z_aux @ d["decoder"]
-        l0_coef = float(s.l0_coef) if s.activation == "jumprelu" else 0.0
-        return sae_loss(x, x_hat, z, w, l0=d["l0"], l0_coef=l0_coef, aux_hat=aux_hat,
-                        aux_coef=float(s.aux_coef), dead=dead)
+        return sae_objective(self.model, params, batch["activations"], w, aux_k=int(s.aux_k),
+                             aux_coef=float(s.aux_coef), l0_coef=float(s.l0_coef))
 
     def train_iterator(self, seed: int, shard=None):
         return TeacherIterator(super().train_iterator(seed, shard), self.activations)

@@ -116,6 +116,33 @@ def test_the_losses_equal_a_direct_numpy_computation():
     np.testing.assert_allclose(fraction_of_variance_unexplained(x, x, w), 0.0, atol=1e-7)
 
 
+def test_auxk_reconstructs_the_residual_from_the_dead_latents_only():
+    """sae_objective's AuxK term: the top-aux_k pre-activations among the latents dead in the batch
+    (never a live one, however large its pre-activation), decoded by the unit decoder, against the
+    main reconstruction's residual — computed here by hand in numpy."""
+    from icml_jax.tasks.sae import sae_objective
+    sae = SAE(d_model=4, latents=6, k=1)
+    rng = np.random.default_rng(1)
+    params = {"W_dec": rng.normal(size=(6, 4)).astype(np.float32), "W_enc": rng.normal(size=(4, 6)).astype(np.float32),
+              "b_enc": np.array([5.0, 0, 0, 0, 0, 0], np.float32), "b_dec": np.zeros(4, np.float32)}
+    x = rng.normal(size=(1, 3, 4)).astype(np.float32)
+    w = np.ones((1, 3), np.float32)
+    _, _, m = jax.jit(lambda p: sae_objective(sae, p, x, w, aux_k=2, aux_coef=0.5))(params)
+    pre = x @ params["W_enc"] + params["b_enc"]
+    dec = params["W_dec"] / np.linalg.norm(params["W_dec"], axis=1, keepdims=True)
+    live = np.argmax(pre, -1)  # k = 1: the bias makes latent 0 win on every token
+    z = np.zeros_like(pre)
+    np.put_along_axis(z, live[..., None], np.maximum(np.take_along_axis(pre, live[..., None], -1), 0), -1)
+    dead = ~(z != 0).reshape(-1, 6).any(0)
+    assert dead.sum() == 5 and not dead[0]
+    pre_dead = np.where(dead, pre, -np.inf)
+    top = np.argsort(-pre_dead, -1)[..., :2]
+    z_aux = np.zeros_like(pre)
+    np.put_along_axis(z_aux, top, np.maximum(np.take_along_axis(pre_dead, top, -1), 0), -1)
+    want = ((x - z @ dec - z_aux @ dec) ** 2).sum()
+    np.testing.assert_allclose(m["auxk"], want, rtol=1e-5)
+
+
 # ------------------------------------------------------------------ the task through the trainer
 
 
