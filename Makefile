@@ -42,7 +42,7 @@ $(STAMP): setup.py constraints.txt
 # the PyTorch baselines). On a fresh machine this is one resolver run, not the base one and then
 # this one (measured: 97 s + 11 s of compileall, against about 180 s for the two).
 $(FULL_STAMP): setup.py constraints.txt
-	$(call VENV_INSTALL,test$(COMMA)interop)
+	$(call VENV_INSTALL,test$(COMMA)interop$(COMMA)eval)
 	touch $(STAMP) $(FULL_STAMP)
 
 demo: $(STAMP)

@@ -18,6 +18,7 @@ import sys
 from absl import app, flags
 
 from icml_jax import logs, xla_env
+from icml_jax.data.tokenizers import continuation_text, prompt_ids  # noqa: F401 (re-exported)
 from icml_jax.train import workdir as workdir_lib  # no JAX: the inputs are checked first
 
 # JAX, flax and orbax are imported only once the inputs have been checked (config.json, the
@@ -53,36 +54,38 @@ def load_hf_folder(path: str):
         raise SampleError(f"--hf={path}: {str(e).strip(chr(34) + chr(39))}") from None
 
 
-def prompt_ids(tok, text: str) -> list[int]:
-    """A prompt's ids: an HF tokenizer's own template (``encode_prompt``, as ``transformers``
-    encodes it), else BOS + the text (our tokenizers)."""
-    if hasattr(tok, "encode_prompt"):
-        return list(tok.encode_prompt(text))
-    return [tok.bos_id] + list(tok.encode(text))
+def check_model_flags(checkpoint: str | None, hf: str | None) -> None:
+    if bool(checkpoint) == bool(hf):
+        raise SampleError("pass exactly one of --checkpoint=WORKDIR or --hf=PATH")
 
 
-def continuation_text(tok, prompt: str, prompt_ids_: list, new_ids: list) -> str:
-    """The prompt followed by the continuation with the spacing the tokenizer's decoder gives to
-    the whole sequence (decoding the new ids alone drops e.g. SentencePiece's leading space)."""
-    whole, head = tok.decode(list(prompt_ids_) + list(new_ids)), tok.decode(list(prompt_ids_))
-    return prompt + (whole[len(head):] if whole.startswith(head) else tok.decode(new_ids))
+def read_model(checkpoint: str | None, hf: str | None):
+    """(model_cfg, params, tokenizer, where) of ``--checkpoint`` or ``--hf``. A workdir is only read
+    and checked here, without JAX (params None: ``load_params`` once the other inputs are good);
+    an HF folder is loaded whole. Shared by ``sample``, ``evaluate`` and the lm-eval adapter."""
+    check_model_flags(checkpoint, hf)
+    if checkpoint:
+        config, tok = workdir_lib.read_workdir(checkpoint)
+        return config.model, None, tok, checkpoint
+    return load_hf_folder(hf)
+
+
+def load_params(checkpoint: str, model_cfg):
+    """(params of the newest readable step, "WORKDIR step N")."""
+    params, step = workdir_lib.latest_params(checkpoint, model_cfg)
+    return params, f"{checkpoint} step {step}"
 
 
 def run(argv_flags) -> list[str]:
     """Checks the inputs, then loads the model; prints and returns one continuation per
     (prompt, sample)."""
     f = argv_flags
-    if bool(f.checkpoint) == bool(f.hf):
-        raise SampleError("pass exactly one of --checkpoint=WORKDIR or --hf=PATH")
+    check_model_flags(f.checkpoint, f.hf)
     if not f.prompt:
         raise SampleError('pass at least one --prompt="..."')
     if f.num_samples < 1:
         raise SampleError(f"--num_samples={f.num_samples} must be >= 1")
-    if f.checkpoint:  # everything that can be checked before JAX loads the params
-        config, tok = workdir_lib.read_workdir(f.checkpoint)
-        model_cfg = config.model
-    else:
-        model_cfg, params, tok, where = load_hf_folder(f.hf)
+    model_cfg, params, tok, where = read_model(f.checkpoint, f.hf)
     encoded = [prompt_ids(tok, p) for p in f.prompt]
     for p, e in zip(f.prompt, encoded):
         if not e:
@@ -95,9 +98,8 @@ def run(argv_flags) -> list[str]:
                 f"that exceeds the model's max_seq_len={model_cfg.max_seq_len}; shorten the prompt or "
                 "lower --max_new_tokens")
     xla_env.use_compilation_cache()  # imports JAX: only once the inputs are known to be good
-    if f.checkpoint:
-        params, step = workdir_lib.latest_params(f.checkpoint, model_cfg)
-        where = f"{f.checkpoint} step {step}"
+    if params is None:
+        params, where = load_params(f.checkpoint, model_cfg)
     stops = tuple(getattr(tok, "eos_ids", (tok.eos_id,)))
     if not stops:
         print(f"warning: the tokenizer has no EOS token: every sample runs to --max_new_tokens="

@@ -209,6 +209,17 @@ def load_jsonl(path: str, subset: str | None = None, limit: int | None = None) -
 
 # ----------------------------------------------------------------------------- accuracy
 
+def oracle_answers(questions: Sequence[Question]) -> list[str]:
+    return [q.label for q in questions]
+
+
+def random_answers(questions: Sequence[Question], seed: int = 0) -> list[str]:
+    """A uniformly random valid letter per question (numpy's generator from ``seed``)."""
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    rng = np.random.default_rng(seed)
+    return [q.letters[int(rng.integers(len(q.options)))] for q in questions]
+
+
 def chance(subset: str) -> float:
     return 1.0 / SUBSETS[subset]
 

@@ -67,6 +67,21 @@ class ByteTokenizer:
         return "ByteTokenizer(vocab_size=259)"
 
 
+def prompt_ids(tok, text: str) -> list[int]:
+    """A prompt's ids: an HF tokenizer's own template (``encode_prompt``, as ``transformers``
+    encodes it), else BOS + the text (our tokenizers)."""
+    if hasattr(tok, "encode_prompt"):
+        return list(tok.encode_prompt(text))
+    return [tok.bos_id] + list(tok.encode(text))
+
+
+def continuation_text(tok, prompt: str, prompt_ids_: list, new_ids: list) -> str:
+    """The prompt followed by the continuation with the spacing the tokenizer's decoder gives to
+    the whole sequence (decoding the new ids alone drops e.g. SentencePiece's leading space)."""
+    whole, head = tok.decode(list(prompt_ids_) + list(new_ids)), tok.decode(list(prompt_ids_))
+    return prompt + (whole[len(head):] if whole.startswith(head) else tok.decode(new_ids))
+
+
 class SentencePieceTokenizer:
     """Wraps a trained SentencePiece ``.model`` (see ``train_sentencepiece``)."""
 
