@@ -105,6 +105,11 @@ def base_config() -> ml_collections.ConfigDict:
     # independently packed streams the global batch is drawn from (must divide train.batch_size);
     # > 1 lets each host pack only its own rows' streams (multi-host). Changes the data order.
     c.data.streams = 1
+    # data selection (MASS, docs/methods/mass.md): keep the top select_ratio of the train split's
+    # documents by the scores in select_scores (a .npy, one float per train document, e.g. from
+    # icml_jax.analysis.mass.write_scores); "" = keep every document
+    c.data.select_scores = ""
+    c.data.select_ratio = 1.0
     # preference / reward-model tasks (data.name="preference_jsonl"; icml_jax/data/preference.py)
     c.data.eval_path = ""  # validation pairs (JSONL); "" = the first pairs of data.path
     c.data.max_prompt_len = 0  # > 0: prompts keep their last max_prompt_len tokens

@@ -18,6 +18,10 @@ chunk boundaries and no target crosses a document boundary; the only cost is tha
 token (the previous chunk's last target) is re-read as context, with positions restarting at 0.
 Pieces are packed into rows of T by grain's ``FirstFitPackIterDataset``.
 
+Selection: with ``config.data.select_scores`` (a .npy of one score per train document) and
+``select_ratio`` = x < 1, the train split keeps only its ceil(x N) highest-scored documents (MASS's
+top-x%, ``data/mass.py``); evaluation splits are never filtered.
+
 Training order: the corpus is tokenised once into memory (int32; a corpus must fit in host RAM), the
 chunk table is shuffled per epoch from ``seed`` (grain ``MapDataset.shuffle`` + ``repeat``, a new
 permutation each epoch), packed, and batched to ``global_batch_size`` rows. Process p keeps rows
@@ -48,7 +52,7 @@ import grain
 import numpy as np
 from absl import logging
 
-from icml_jax.data import sources
+from icml_jax.data import mass, sources
 
 FEATURES = ("inputs", "targets", "segment_ids", "positions")
 
@@ -132,6 +136,8 @@ def load_corpus(data_cfg: Any, tokenizer: Any, split: str, seq_len: int) -> Toke
     """get_split_source + tokenize_source, with a log line of the corpus size and timing."""
     t0 = time.perf_counter()
     source = sources.get_split_source(data_cfg, split)
+    if split == "train":  # config.data.select_scores / select_ratio: MASS's top-x% (data/mass.py)
+        source = mass.select_source(source, data_cfg)
     corpus = tokenize_source(source, tokenizer, seq_len)
     logging.info("data %s: %d documents, %d tokens, %d chunks of <= %d (%.2fs)", source,
                  corpus.num_documents, len(corpus.tokens), corpus.num_chunks, seq_len + 1,
