@@ -13,7 +13,8 @@ A decoder is an [M, D] matrix whose row j is feature j's direction (``models.sae
 rows are unit-normalised again here, so any row scale gives the same matches.
 
 1. ``match``: for every feature of A its top-k features of B by cosine of decoder rows (the spec's
-   top-1 "many-to-one" matching; ``match_matrix`` is the general form 1_{x>0}[topk(Ŵ_A Ŵ_Bᵀ)]).
+   top-1 "many-to-one" matching; ``match_matrix`` is the general form 1_{x>0}[topk(Ŵ_A Ŵ_Bᵀ)]);
+   ``pearson_match``: the data-based alternative, by correlation of activations on shared tokens.
 2. ``origins``: for every residual feature of layer L, its best predecessor in R_{L-1}, MLP_L and
    Attn_L with the similarity, and its class (``CLASSES``) from the per-layer thresholds.
 3. ``flow_graph``: the origin matching applied backward from one feature, layer by layer: a list of
@@ -100,6 +101,30 @@ def match_matrix(dec_a, dec_b, k: int = 1) -> np.ndarray:
     t = np.zeros((idx.shape[0], np.shape(dec_b)[0]), bool)
     np.put_along_axis(t, idx, sim > 0, axis=1)
     return t
+
+
+def pearson(z_a, z_b, chunk: int = 4096) -> np.ndarray:
+    """[Ma, Mb] Pearson correlations between the activations of two SAEs on the same N tokens
+    (``z_a`` [N, Ma], ``z_b`` [N, Mb]; the spec's data-based alternative ``ff_match = pearson``).
+    A feature that is constant on the tokens (e.g. never fires) correlates 0 with everything."""
+    a = np.asarray(z_a, np.float64).reshape(-1, np.shape(z_a)[-1])
+    b = np.asarray(z_b, np.float64).reshape(-1, np.shape(z_b)[-1])
+    if a.shape[0] != b.shape[0]:
+        raise ValueError(f"pearson needs activations on the same tokens: {a.shape[0]} vs {b.shape[0]}")
+    a, b = a - a.mean(0), b - b.mean(0)
+    na, nb = np.linalg.norm(a, axis=0), np.linalg.norm(b, axis=0)
+    a, b = a / np.where(na > 0, na, 1.0), b / np.where(nb > 0, nb, 1.0)
+    return np.clip(np.concatenate([a[:, s:s + chunk].T @ b for s in range(0, a.shape[1], chunk)]), -1.0, 1.0)
+
+
+def pearson_match(z_a, z_b, k: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """``match`` by activation correlation instead of decoder cosine: for each feature of A its
+    top-k features of B, best first (index [Ma, k], correlation [Ma, k]); ties to the lower index."""
+    c = pearson(z_a, z_b)
+    if not 1 <= k <= c.shape[1]:
+        raise ValueError(f"k={k} must be in [1, {c.shape[1]}]")
+    top = np.argsort(-c, axis=1, kind="stable")[:, :k]
+    return top, np.take_along_axis(c, top, axis=1)
 
 
 def _at(threshold, layer: int) -> float:
@@ -275,19 +300,24 @@ def rescale_fn(sae: SAEAt, features: Iterable[int], r: float):
     return lambda x: fn(x, a)
 
 
-def rescale_edits(saes: Mapping, nodes: Iterable, r: float = 0.0) -> hooks.Edits:
+def rescale_edits(saes: Mapping, nodes: Iterable, r=0.0) -> hooks.Edits:
     """A ``hooks.Edits`` rescaling features at their points: ``nodes`` are (layer, module, index)
     (e.g. a feature's top-1 predecessor, or a flow graph's nodes); ``saes``: {(layer, module):
-    SAEAt}. Features of one point are rescaled together. Edits downstream encode the already
-    edited stream (each edit applies where its value is made). The SAE params, indices and r are
-    the edits' array arguments: decoding compiles once per set of points and feature counts."""
+    SAEAt}; ``r``: one factor, or {(layer, module): r} per point (r = 1 leaves a point's value
+    exactly as it was). Features of one point are rescaled together. Edits downstream encode the
+    already edited stream (each edit applies where its value is made). The SAE params, indices and
+    r are the edits' array arguments: decoding compiles once per set of points and feature counts,
+    so a sweep over r, or a graph's points with r = 1 except at one, share one program."""
     groups = _group(nodes)
     missing = [k for k in groups if k not in saes]
     if missing:
         raise ValueError(f"no SAE for {missing}")
+    if isinstance(r, Mapping) and set(r) != set(groups):
+        raise ValueError(f"r per point must name exactly the nodes' points {sorted(groups)}, got {sorted(r)}")
     names = {k: hook_name(*k) for k in groups}
     return hooks.Edits({names[k]: _rescale(saes[k].module) for k in groups},
-                       args={names[k]: rescale_args(saes[k], js, r) for k, js in groups.items()})
+                       args={names[k]: rescale_args(saes[k], js, r[k] if isinstance(r, Mapping) else r)
+                             for k, js in groups.items()})
 
 
 def schedule(layers: Iterable[int], s: float, kind: str = "constant", alpha: float = EXP_ALPHA,

@@ -48,6 +48,24 @@ def test_self_match_is_the_identity_and_similarities_are_cosines():
     assert t.shape == (40, 30) and np.all(t.sum(1) == (s2 > 0).sum(1))
 
 
+def test_pearson_matching_equals_numpy_corrcoef_and_finds_a_permuted_copy():
+    rng = np.random.default_rng(3)
+    za = np.maximum(rng.normal(size=(200, 12)), 0)
+    za[:, 5] = 0.0  # never fires: correlates 0
+    perm = rng.permutation(12)
+    zb = np.concatenate([2.5 * za[:, perm] + 0.01 * rng.normal(size=(200, 12)), rng.normal(size=(200, 3))], 1)
+    c = ff.pearson(za, zb, chunk=5)
+    live = np.delete(np.arange(12), 5)
+    want = np.corrcoef(za[:, live].T, zb.T)[:len(live), len(live):]
+    np.testing.assert_allclose(c[live], want, rtol=1e-10, atol=1e-12)
+    np.testing.assert_array_equal(c[5], 0.0)
+    idx, sim = ff.pearson_match(za, zb, k=2)
+    np.testing.assert_array_equal(idx[live, 0], np.argsort(perm)[live])  # column j of zb is za's perm[j]
+    assert np.all(sim[live, 0] > 0.99) and np.all(np.diff(sim, axis=1) <= 0)
+    with pytest.raises(ValueError, match="same tokens"):
+        ff.pearson(za, zb[:10])
+
+
 def test_origins_recover_planted_predecessors_and_classes():
     rng = np.random.default_rng(3)
     pi = rng.permutation(16)
