@@ -36,7 +36,7 @@ _MODEL = dict(d_model=128, num_layers=4, num_heads=4, num_kv_heads=4, head_dim=3
 PRESETS = {
     "tiny": preset(
         seeds=(0,), docs=96, piece_len=63, topic_share=0.5, latents=64, k=4, aux_k=8, sae_steps=6, sae_batch=4,
-        sae_lr=1e-3, eval_per_topic=2, eval_generic=2, min_active=2, coact=0.5, targets=2, top=5,
+        sae_lr=1e-3, eval_per_topic=2, eval_generic=2, min_active=2, coact=0.5, targets=1, top=5,
         strengths=(2.0,), rs=(0.0,), steer_topics=1, prompts=4, new_tokens=8, temperature=1.27, top_p=0.7, fvu_gate=10.0,
         topic_gate=0.0,
         run=dict(model=dict(d_model=32, num_layers=2, num_heads=2, num_kv_heads=2, head_dim=16, ffn_dim=64),
