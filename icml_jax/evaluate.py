@@ -101,16 +101,18 @@ def _pct(x: float) -> str:
 def markdown(report: dict) -> str:
     lines = [f"# MedXpertQA: {report['model']}", "",
              f"mode `{report['mode']}`; accuracy = share of questions whose extracted letter equals "
-             "the label (no answer counts as wrong).", "",
-             "| subset | questions | correct | accuracy | chance | no answer | contexts cut |",
+             "the label (no answer counts as wrong); rows cut: scored or generated rows whose context "
+             "lost its start to fit the model (letter_loglik: one row per option; cot_extract: two "
+             "per question).", "",
+             "| subset | questions | correct | accuracy | chance | no answer | rows cut |",
              "|---|---|---|---|---|---|---|"]
-    for name, s in report["subsets"].items():
+    for s in report["subsets"].values():
         lines.append(f"| {s['label']} | {s['n']} | {s['correct']} | {_pct(s['accuracy'])} | "
-                     f"{_pct(s['chance'])} | {s['no_answer']} | {s['truncated']} |")
+                     f"{_pct(s['chance'])} | {s['no_answer']} | {s['rows_cut']} |")
     for key in mx.BREAKDOWNS:
         lines += ["", f"## By {key.replace('_', ' ')}", "", "| subset | group | questions | accuracy |",
                   "|---|---|---|---|"]
-        for name, s in report["subsets"].items():
+        for s in report["subsets"].values():
             for group, c in s[f"by_{key}"].items():
                 lines.append(f"| {s['label']} | {group} | {c['n']} | {_pct(c['accuracy'])} |")
     return "\n".join(lines) + "\n"
@@ -162,7 +164,7 @@ def run(f) -> dict:
         label = "Text" if subset == "text" else "MM (images ignored)"
         report["subsets"][subset] = {"label": label, "file": os.path.abspath(path),
                                      "chance": mx.chance(subset),
-                                     "truncated": (lm.truncated - before) if lm else 0} | acc
+                                     "rows_cut": (lm.truncated - before) if lm else 0} | acc
         report["predictions"][subset] = [
             {"id": q.id, "label": q.label, "prediction": p, "correct": p == q.label,
              "question_type": q.question_type} | r for q, p, r in zip(qs, preds, records)]

@@ -7,14 +7,16 @@
 buckets). Run the harness through this module so that the registration happens first:
 
     python -m icml_jax.lm_eval_adapter run --model icml_jax \
-        --model_args checkpoint=runs/demo,batch_size=16 --tasks hellaswag --limit 100
+        --model_args checkpoint=runs/demo --batch_size 16 --tasks hellaswag --limit 100
     python -m icml_jax.lm_eval_adapter run --model icml_jax --model_args hf=path/to/hf_folder \
         --tasks my_task --include_path path/to/task_yamls
 
 or from Python: ``lm_eval.simple_evaluate(model=IcmlJaxLM(checkpoint="runs/demo"), tasks=[...])``.
 Model arguments: ``checkpoint=WORKDIR`` or ``hf=FOLDER`` (loaded as ``python -m icml_jax.sample``
-loads them), ``batch_size`` (rows per jitted batch, default 8), ``max_gen_toks`` (default 256),
+loads them), ``max_gen_toks`` (default 256),
 ``min_bucket`` (shortest padded length, default 32), ``seed`` (sampling when a task asks for it).
+The rows per jitted batch are the harness's own ``--batch_size`` (its default, 1, is slow: pass
+8-64; "auto" means 8).
 """
 from __future__ import annotations
 
@@ -37,7 +39,6 @@ except ImportError:  # lm_eval is optional (the `eval` extra): the class still w
 NAME = "icml_jax"
 
 
-@register_model(NAME)
 class IcmlJaxLM(_Base):
     """Our decoder behind lm-eval's three request kinds (module docstring). ``requests`` are
     ``lm_eval.api.instance.Instance`` objects; only their ``args`` are read."""
@@ -106,6 +107,10 @@ class IcmlJaxLM(_Base):
         return out
 
 
+if __name__ != "__main__":  # run as a script, the importable module registers it (below)
+    register_model(NAME)(IcmlJaxLM)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """lm-eval's own command line, with ``icml_jax`` registered."""
     if _Base is object:
@@ -117,4 +122,5 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from icml_jax import lm_eval_adapter  # pylint: disable=g-import-not-at-top,import-self
+    lm_eval_adapter.main()
