@@ -79,6 +79,11 @@ def test_a_round_that_changes_nothing_is_a_fixed_point():
     r3 = fed_icl.run_fed_icl(fed_icl.bayes_icl_fn(0.1, 0.3, 1 / D), t["X"], t["Y"], t["xq"], m=3, rounds=3,
                              slots=S)
     assert r3.rounds_run == 3 and np.abs(r3.server[2] - r3.server[0]).max() > 1e-6
+    # the ablation without the previous answer: nothing is broadcast but x_q, every round repeats round 1
+    r4 = fed_icl.run_fed_icl(fed_icl.bayes_icl_fn(0.1, 0.3, 1 / D), t["X"], t["Y"], t["xq"], m=3, rounds=3,
+                             slots=S, include_prev_answer=False, tol=-1.0)
+    assert all(msg["payload"]["answer"] is None for msg in r4.log if msg["sender"] == "server")
+    np.testing.assert_array_equal(r4.server[2], r3.server[0])
 
 
 def test_message_log_only_answers_travel():
