@@ -231,10 +231,11 @@ def iti_deltas(model_cfg, heads, directions_LHK, sigmas_LH, alpha: float) -> dic
     return {layer: v.reshape(G, H // G, K) for layer, v in out.items()}
 
 
-def _shift(delta_GRK, positions):
-    delta = jnp.asarray(delta_GRK)
-
-    def fn(x):  # x: [B, T, G, R, K]
+@functools.lru_cache(maxsize=None)
+def _shift(positions):
+    """The edit x, delta [G, R, K] -> x shifted at ``positions`` (one function per positions, so
+    ITI edits of any heads' shifts share their static half: the shift is an array argument)."""
+    def fn(x, delta):  # x: [B, T, G, R, K]
         d = delta.astype(x.dtype)
         if positions == "all":
             return x + d
@@ -254,11 +255,15 @@ def iti_edits(model_cfg, heads, directions_LHK, sigmas_LH, alpha: float,
     with pyvene, ``head_output[:, -1]`` in the legacy ``lt_modulated_vector_add``); "all" — every
     position; an int s — positions s.. of a full-sequence forward (honest_llama's
     ``start_edit_location``; not for KV-cache decoding, whose steps have T = 1).
-    Use with ``build_model(cfg, edits=...)``, ``generate(..., edits=...)``, ``scored_decode``."""
+    Use with ``build_model(cfg, edits=...)``, ``generate(..., edits=...)``, ``scored_decode``.
+    The shifts are the edits' array arguments: ``generate`` compiles once for every α of a set of
+    selected layers."""
     if not (positions in ("last", "all") or (isinstance(positions, int) and positions >= 0)):
         raise ValueError(f"iti_edits: positions must be 'last', 'all' or an int >= 0, got {positions!r}")
     deltas = iti_deltas(model_cfg, heads, directions_LHK, sigmas_LH, alpha)
-    return hooks.Edits({f"layer_{layer}/attn_heads": _shift(d, positions) for layer, d in deltas.items()})
+    names = {layer: f"layer_{layer}/attn_heads" for layer in deltas}
+    return hooks.Edits({n: _shift(positions) for n in names.values()},
+                       args={names[layer]: jnp.asarray(d) for layer, d in deltas.items()})
 
 
 def fit_iti(acts_NLHK, labels_N, *, k: int = DEFAULTS["k"], direction: str = DEFAULTS["direction"],
