@@ -18,7 +18,9 @@ Shapes: rows go through one jitted scorer in batches of ``batch_size`` (short ba
 with zero-weight rows) and right-padded to a power-of-two length bucket (``min_bucket`` ... the
 model's ``max_seq_len``), so a whole evaluation compiles at most log2(max_seq_len / min_bucket) + 1
 scorer shapes. Rows are sorted by length so a batch's rows share a bucket. Contexts longer than
-the model's window are cut from the left (``truncated`` counts them).
+the model's window are cut from the left (``truncated`` counts them). When the params live on a
+mesh (``load_hf`` puts them on all devices), each batch's rows are split over its ``data`` /
+``fsdp`` axes (``batch_sharding``).
 """
 from __future__ import annotations
 
@@ -66,6 +68,21 @@ def rolling_windows(tokens: Sequence[int], prefix: int, max_len: int
     return out
 
 
+def batch_sharding(params, batch_size: int):
+    """Rows split over the params' mesh axes ``data`` and ``fsdp`` (``load_hf``'s default mesh puts
+    every device on ``data``), or None: params on one device, or ``batch_size`` not a multiple of
+    those axes' size (then every device computes every row)."""
+    sharding = getattr(jax.tree.leaves(params)[0], "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or mesh.size == 1:
+        return None
+    axes = tuple(a for a in ("data", "fsdp") if mesh.shape.get(a, 1) > 1)
+    n = math.prod(mesh.shape[a] for a in axes)
+    if not axes or batch_size % n:
+        return None
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(axes))
+
+
 class TokenScorer:
     """Sum of log-probs and greediness of continuation tokens, in fixed-shape jitted batches."""
 
@@ -88,6 +105,7 @@ class TokenScorer:
 
         self._score = jax.jit(score)
         self.compiled_shapes: set[tuple[int, int]] = set()
+        self.batch_sharding = batch_sharding(params, batch_size)
 
     def check(self, context: Sequence[int], continuation: Sequence[int]) -> None:
         if not continuation:
@@ -126,7 +144,10 @@ class TokenScorer:
                 inputs[r, :n], targets[r, :n], valid[r, :n] = full[:-1], full[1:], 1
                 weights[r, n - n_cont:n] = 1.0
             self.compiled_shapes.add((B, T))
-            lp, greedy = self._score(self.params, inputs, targets, valid, weights)
+            arrays = (inputs, targets, valid, weights)
+            if self.batch_sharding is not None:
+                arrays = jax.device_put(arrays, self.batch_sharding)
+            lp, greedy = self._score(self.params, *arrays)
             lp, greedy = np.asarray(lp, np.float64), np.asarray(greedy)
             for r, i in enumerate(idx):
                 out[i] = (float(lp[r]), bool(greedy[r]))
