@@ -124,9 +124,9 @@ def run(f) -> dict:
     subsets = load_subsets(f)
     model_cfg = params = tok = None
     where = f"baseline: {f.baseline}"
-    if not f.baseline:
-        model_cfg, params, tok, where = read_model(f.checkpoint, f.hf)
     prepare_out(f.out)
+    if not f.baseline:  # a workdir is only checked here; an HF folder is loaded (JAX)
+        model_cfg, params, tok, where = read_model(f.checkpoint, f.hf)
     if not f.baseline:
         xla_env.use_compilation_cache()  # imports JAX: only once the inputs are known to be good
         if params is None:

@@ -237,3 +237,13 @@ def test_lm_eval_adapter_requests(tiny):
     assert a == b and all(len(t.encode()) <= 12 for t in a)
     assert "\n" not in a[0] and a[2].startswith(a[0])  # the same greedy row, cut at the stop
     assert a[2] == tiny.lm.generate([ctx], 12)[0]
+
+
+def test_lm_eval_builds_the_adapter_from_a_workdir(workdir):
+    """What `--model icml_jax --model_args checkpoint=... --batch_size 16` does: the harness's own
+    constructor path, with the batch size it adds itself (a second batch_size in model_args would
+    be a harness error, not ours)."""
+    from lm_eval.api.registry import get_model
+    lm = get_model("icml_jax").create_from_arg_string(
+        f"checkpoint={workdir},max_gen_toks=7", {"batch_size": 16, "max_batch_size": None, "device": "cpu"})
+    assert lm.where == f"{workdir} step 1" and lm.max_gen_toks == 7 and lm.lm.scorer.batch_size == 16
