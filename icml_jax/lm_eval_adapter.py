@@ -28,6 +28,8 @@ from tqdm import tqdm
 from icml_jax.sample import load_params, read_model
 
 try:
+    import lm_eval.models  # noqa: F401 (the built-in models' lazy entries: lm-eval adds them only
+    # to an empty registry, so registering ours first would hide `hf`, `vllm`, ...)
     from lm_eval.api.model import LM as _Base
     from lm_eval.api.registry import register_model
 except ImportError:  # lm_eval is optional (the `eval` extra): the class still works on its own

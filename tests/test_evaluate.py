@@ -221,6 +221,8 @@ def test_lm_eval_adapter_requests(tiny):
 
     from icml_jax.lm_eval_adapter import IcmlJaxLM
     assert get_model("icml_jax") is IcmlJaxLM and issubclass(IcmlJaxLM, LM)
+    from lm_eval.api.registry import model_registry
+    assert {"hf", "vllm", "dummy"} <= set(model_registry.keys())  # the built-ins stay registered
     lm = IcmlJaxLM(model=(tiny.config.model, tiny.params, ByteTokenizer()), batch_size=BATCH)
     pairs = [("Question: 1+1?\nAnswer:", " 2"), ("Question: 1+1?\nAnswer:", " 3"), ("", "hi")]
     got = lm.loglikelihood(_instances("loglikelihood", pairs), disable_tqdm=True)
