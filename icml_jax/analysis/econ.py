@@ -171,17 +171,33 @@ def encode_obs(tokenizer, texts: Sequence[str], length: int, n_agents: int) -> n
 
 def sample_answers(model_cfg, params, tokenizer, prompts: Sequence[str], temperatures, top_ps, key,
                    max_new: int) -> list[str]:
-    """One continuation per prompt, prompt i at (temperatures[i], top_ps[i]) (KV-cache decoding,
-    one compiled program for every call: the sampling parameters are traced values)."""
-    out = []
-    for i, (p, t, tp) in enumerate(zip(prompts, temperatures, top_ps)):
-        ids = [tokenizer.bos_id] + list(tokenizer.encode(p))
-        g = decode.generate(model_cfg, params, [ids], key=jax.random.fold_in(key, i), max_new_tokens=max_new,
-                            temperature=float(t), top_p=min(float(tp), 1.0), stop_tokens=(tokenizer.eos_id,),
-                            pad_id=tokenizer.pad_id)
-        toks = [int(x) for x in g.tokens[0, :g.lengths[0]] if int(x) != tokenizer.eos_id]
-        out.append(tokenizer.decode(toks))
+    """One continuation per prompt, prompt i at (temperatures[i], top_ps[i]), by the codebase's
+    KV-cache decoding (``inference.decode.generate``, whose temperature and top-p are traced
+    scalars: one compiled program serves every call). Rows that share (T, p) are decoded in one
+    batch; otherwise one call per row."""
+    T, P = np.asarray(temperatures, np.float64), np.minimum(np.asarray(top_ps, np.float64), 1.0)
+    ids = [[tokenizer.bos_id] + list(tokenizer.encode(p)) for p in prompts]
+    groups = [list(range(len(prompts)))] if np.all(T == T[0]) and np.all(P == P[0]) else \
+        [[i] for i in range(len(prompts))]
+    out = [""] * len(prompts)
+    for g, rows in enumerate(groups):
+        res = decode.generate(model_cfg, params, [ids[i] for i in rows], key=jax.random.fold_in(key, g),
+                              max_new_tokens=max_new, temperature=float(T[rows[0]]), top_p=float(P[rows[0]]),
+                              stop_tokens=(tokenizer.eos_id,), pad_id=tokenizer.pad_id)
+        for j, i in enumerate(rows):
+            toks = [int(x) for x in res.tokens[j, :res.lengths[j]] if int(x) != tokenizer.eos_id]
+            out[i] = tokenizer.decode(toks)
     return out
+
+
+def sample_team(executors: Sequence[tuple], tokenizer, prompts: Sequence[str], actions_BN2, key, max_new: int,
+                parse: Callable) -> list[list]:
+    """Parsed answers [B][N]: executor i = (model_cfg, params) samples each prompt once at
+    actions[:, i] = (T, p)."""
+    a = np.asarray(actions_BN2)
+    texts = [sample_answers(mc, mp, tokenizer, prompts, a[:, i, 0], a[:, i, 1], jax.random.fold_in(key, i), max_new)
+             for i, (mc, mp) in enumerate(executors)]
+    return [[parse(texts[i][b]) for i in range(len(executors))] for b in range(len(prompts))]
 
 
 class FrozenLM:
@@ -238,14 +254,19 @@ def majority_vote(answers: Sequence) -> object:
     return next(a for a in valid if counts[a] == best)
 
 
-def commit(coordinator: FrozenLM, prompt: str, answers: Sequence) -> object:
-    """The coordinator's commitment: the distinct parsed answer with the highest coordinator
-    log-prob after ``prompt`` (ties: first seen); None when no answer parsed."""
-    cands = list(dict.fromkeys(a for a in answers if a is not None))
-    if not cands:
-        return None
-    scores = coordinator.logprob([prompt] * len(cands), [str(c) for c in cands])
-    return cands[int(np.argmax(scores))]
+def commit(coordinator: FrozenLM, prompts: Sequence[str], answers: Sequence[Sequence]) -> list:
+    """The coordinator's commitments: per question, the distinct parsed answer with the highest
+    coordinator log-prob after the prompt (ties: first seen; None when no answer parsed). All
+    B x N candidates are scored in one fixed-shape batch (missing ones repeat the first)."""
+    n = max(len(a) for a in answers)
+    cands = [list(dict.fromkeys(x for x in a if x is not None)) for a in answers]
+    flat_p, flat_c = [], []
+    for p, c in zip(prompts, cands):
+        row = (c or ["0"]) + [(c or ["0"])[0]] * (n - len(c or ["0"]))
+        flat_p += [p] * n
+        flat_c += [str(x) for x in row]
+    scores = coordinator.logprob(flat_p, flat_c).reshape(len(prompts), n)
+    return [c[int(np.argmax(sc[:len(c)]))] if c else None for c, sc in zip(cands, scores)]
 
 
 def toy_rewards(answers: Sequence, commitment, truth) -> dict:
@@ -268,25 +289,19 @@ def make_batch(obs_BNL, rewards, commit_emb) -> dict:
 
 def run_round(harness: Harness, executors: Sequence[tuple], coordinator: FrozenLM, embedder: FrozenLM,
               tokenizer, prompts: Sequence[str], truths: Sequence, parse: Callable, key, *, max_new: int,
-              fixed_actions: tuple | None = None, train: bool = True) -> dict:
-    """One ECON round on a batch of questions. ``executors``: [(model_cfg, params)] * N.
-    ``fixed_actions`` = (T, p) replaces the belief networks' actions (a control arm).
-    Returns per-question ``answers`` [B][N], ``commitment``, ``majority``, ``rewards``, actions
-    [B, N, 2] and (if ``train``) the step's loss metrics."""
+              updates: int = 1) -> dict:
+    """One ECON round on a batch of questions (module docstring): the belief networks' actions,
+    one sample per executor, the coordinator's commitment, the rewards and ``updates`` training
+    steps on the round's batch. Returns per-question ``answers`` [B][N], ``commitment``,
+    ``rewards``, ``actions`` [B, N, 2] and the training ``metrics`` (one dict per step)."""
     cfg = harness.cfg
     obs = encode_obs(tokenizer, prompts, cfg.obs_len, cfg.n_agents)
     out = harness.act(harness.state["params"], jnp.asarray(obs))
-    T, P = np.asarray(out["temperature"]), np.asarray(out["top_p"])
-    if fixed_actions is not None:
-        T, P = np.full_like(T, fixed_actions[0]), np.full_like(P, fixed_actions[1])
-    texts = [sample_answers(mc, mp, tokenizer, prompts, T[:, i], P[:, i], jax.random.fold_in(key, i), max_new)
-             for i, (mc, mp) in enumerate(executors)]
-    answers = [[parse(texts[i][b]) for i in range(cfg.n_agents)] for b in range(len(prompts))]
-    commitments = [commit(coordinator, p, a) for p, a in zip(prompts, answers)]
+    actions = np.stack([np.asarray(out["temperature"]), np.asarray(out["top_p"])], -1)
+    answers = sample_team(executors, tokenizer, prompts, actions, key, max_new, parse)
+    commitments = commit(coordinator, prompts, answers)
     rewards = [toy_rewards(a, c, t) for a, c, t in zip(answers, commitments, truths)]
-    res = dict(answers=answers, commitment=commitments, majority=[majority_vote(a) for a in answers],
-               rewards=rewards, actions=np.stack([T, P], -1))
-    if train:
-        emb = embedder.embed([p + ("" if c is None else str(c)) for p, c in zip(prompts, commitments)])
-        res["metrics"] = harness.update(make_batch(obs, [r["reward"] for r in rewards], emb))
-    return res
+    emb = embedder.embed([p + ("" if c is None else str(c)) for p, c in zip(prompts, commitments)])
+    batch = make_batch(obs, [r["reward"] for r in rewards], emb)
+    metrics = [harness.update(batch) for _ in range(updates)]
+    return dict(answers=answers, commitment=commitments, rewards=rewards, actions=actions, metrics=metrics)
