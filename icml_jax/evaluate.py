@@ -156,7 +156,7 @@ def run(f) -> dict:
                 preds, table = answerers.letter_loglik_answers(lm, qs, progress=bar.update)
             records = [{"letter_logps": t} for t in table]
         else:
-            with tqdm(total=len(qs), desc=f"{subset} cot_extract", unit="question") as bar:
+            with tqdm(total=2 * len(qs), desc=f"{subset} cot_extract (2 turns)", unit="row") as bar:
                 preds, records = answerers.cot_answers(
                     lm, qs, rationale_tokens=f.rationale_tokens, answer_tokens=f.answer_tokens,
                     progress=bar.update)

@@ -59,7 +59,7 @@ def cot_answers(lm: TextLM, questions: Sequence[mx.Question], *, rationale_token
     """The official two-turn zero-shot CoT at temperature 0: turn 1 "Q: ...\\nA: Let's think step
     by step." -> rationale; turn 2 "Therefore, among A through J (E), the answer is" -> answer;
     the letter is ``extract_answer`` of the turn-2 output. Returns (letters, per-question records
-    with the rationale and the answer text)."""
+    with the rationale and the answer text); ``progress`` counts generated rows, two per question."""
     firsts, seconds = [], []
     for q in questions:
         system, turn1, _ = mx.cot_turns(q)
@@ -68,7 +68,7 @@ def cot_answers(lm: TextLM, questions: Sequence[mx.Question], *, rationale_token
     for q, r in zip(questions, rationales):
         system, turn1, turn2 = mx.cot_turns(q)
         seconds.append(render_turns(system, [(turn1, r)], turn2))
-    answers = lm.generate(seconds, answer_tokens)
+    answers = lm.generate(seconds, answer_tokens, progress=progress)
     preds = [mx.extract_answer(a, len(q.options)) for q, a in zip(questions, answers)]
     records = [{"rationale": r, "answer_text": a} for r, a in zip(rationales, answers)]
     return preds, records
