@@ -39,6 +39,8 @@ except ImportError:  # lm_eval is optional (the `eval` extra): the class still w
         return lambda cls: cls
 
 NAME = "icml_jax"
+# what lm-eval's command line adds to every model's arguments besides batch_size (ignored here)
+_HARNESS_KEYS = {"device", "max_batch_size"}
 
 
 class IcmlJaxLM(_Base):
@@ -53,6 +55,10 @@ class IcmlJaxLM(_Base):
         ignored: the params already live where JAX put them."""
         if _Base is not object:
             super().__init__()
+        unknown = sorted(set(_harness_kwargs) - _HARNESS_KEYS)
+        if unknown:
+            raise ValueError(f"icml_jax model_args: unknown {unknown}; expected checkpoint= or hf=, "
+                             "max_gen_toks=, min_bucket=, seed= (rows per batch: --batch_size)")
         if model is None:
             model_cfg, params, tok, where = read_model(checkpoint, hf)
             if params is None:

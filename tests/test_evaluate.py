@@ -246,6 +246,10 @@ def test_lm_eval_builds_the_adapter_from_a_workdir(workdir):
     constructor path, with the batch size it adds itself (a second batch_size in model_args would
     be a harness error, not ours)."""
     from lm_eval.api.registry import get_model
+
+    import icml_jax.lm_eval_adapter  # noqa: F401 (registers icml_jax)
     lm = get_model("icml_jax").create_from_arg_string(
         f"checkpoint={workdir},max_gen_toks=7", {"batch_size": 16, "max_batch_size": None, "device": "cpu"})
     assert lm.where == f"{workdir} step 1" and lm.max_gen_toks == 7 and lm.lm.scorer.batch_size == 16
+    with pytest.raises(ValueError, match=r"unknown \['checkpont'\]; expected checkpoint="):
+        get_model("icml_jax").create_from_arg_string(f"checkpont={workdir}")
