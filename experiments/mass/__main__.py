@@ -31,11 +31,11 @@ from experiments.common import git_commit, preset, record, start, write_csv, wri
 _MODEL = dict(d_model=64, num_layers=2, num_heads=4, num_kv_heads=4, head_dim=16, ffn_dim=192, max_seq_len=256)
 _BASE = dict(data_seed=0, shares=dict(noisy=0.2, string=0.2, prose=0.2), keep_ratio=0.5,
              node_weight="pagerank", score_agg="weighted_sum", damping=0.85, embedder_seed=100,
-             embed_len=128, new_tokens=64, eval_batch=100, filter_control=True)
+             embed_len=128, new_tokens=64, eval_batch=100, arms=("full", "random", "mass", "filter", "full_more"))
 PRESETS = {
     "tiny": preset(**{**_BASE, **dict(
         pool_n=120, ref_n=30, test_n=16, seeds=(0,), embedder_steps=0, em_floor=0.0, new_tokens=8,
-        eval_batch=16, filter_control=False,
+        eval_batch=16, arms=("full", "mass"),  # the tests: two trainings
         run=dict(model=dict(d_model=32, num_layers=2, num_heads=2, num_kv_heads=2, head_dim=16, ffn_dim=64,
                             max_seq_len=128),
                  data=dict(seq_len=64),
@@ -61,10 +61,11 @@ def main(argv=None):
     paths, graph = stages.selection_scores(exp, wd, corpus, texts, [r.text for r in ref])
     from icml_jax.data import mass
     sel = []
+    chosen = mass.top_fraction(mass.read_scores(paths["mass"]), exp.keep_ratio)
     for key, path in paths.items():
         keep = mass.top_fraction(mass.read_scores(path), exp.keep_ratio)
-        sel.append(dict(selection=key, **stages.composition(texts, keep, kind_of)))
-    sel.append(dict(selection="full", **stages.composition(texts, np.arange(len(texts)), kind_of)))
+        sel.append(dict(selection=key, **stages.composition(texts, keep, kind_of, chosen)))
+    sel.append(dict(selection="full", **stages.composition(texts, np.arange(len(texts)), kind_of, chosen)))
     rows, samples = stages.train_and_score(exp, wd, corpus, paths, test)
     full = [r["em"] for r in rows if r["arm"] == "full"]
     gates = {f"full pool learns the arithmetic (mean exact match {np.mean(full):.3f} > {exp.em_floor:g})":

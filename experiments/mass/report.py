@@ -47,6 +47,14 @@ def reading(exp, rows, sel):
                    f"filter {comp.get('filter', {}).get('share_clean', float('nan')):.0%} / "
                    f"{comp.get('filter', {}).get('share_noisy', float('nan')):.0%}. The pool: "
                    f"{comp['full']['share_clean']:.0%} / {comp['full']['share_noisy']:.0%}.")
+    if "mass" in comp and "filter" in comp:
+        ratios = {k: comp["mass"][f"skill_{k}"] / comp["filter"][f"skill_{k}"] for k in mass.SKILLS
+                  if comp["filter"][f"skill_{k}"] > 0}
+        lo, hi = min(ratios, key=ratios.get), max(ratios, key=ratios.get)
+        out.append(f"- Skill mix against the rule filter (both keep only arithmetic rows): MASS keeps "
+                   f"`{lo}` documents at {ratios[lo]:.2f}x the filter's share ({comp['mass'][f'skill_{lo}']:.1%} "
+                   f"vs {comp['filter'][f'skill_{lo}']:.1%}) and `{hi}` at {ratios[hi]:.2f}x "
+                   f"({comp['mass'][f'skill_{hi}']:.1%} vs {comp['filter'][f'skill_{hi}']:.1%}).")
     return out
 
 
@@ -59,16 +67,19 @@ def write(wd, exp, rows, sel, gates, meta):
         cells = [LABELS[a], f"{_col(rows, a, 'tokens')[0]:,}", pm(*mean_spread(_col(rows, a, "em"), "se")[:2])]
         cells += [pm(*mean_spread(_col(rows, a, f"em_{s}"), "se")[:2], nd=2) for s in skills]
         table.append(cells)
-    sel_header = ["selection", "docs", "clean", "noisy (slip)", "string (off-skill)", "prose (off-skill)",
-                  "arith. token share"] + list(mass.SKILLS)
-    sel_rows = [[s["selection"], s["docs"], f"{s['share_clean']:.3f}", f"{s['share_noisy']:.3f}",
-                 f"{s['share_string']:.3f}", f"{s['share_prose']:.3f}", f"{s['token_share_arith']:.3f}"]
+    sel_header = ["selection", "docs", "overlap with MASS", "clean", "noisy (slip)", "string (off-skill)",
+                  "prose (off-skill)", "arith. token share"] + list(mass.SKILLS)
+    sel_rows = [[s["selection"], s["docs"], f"{s['overlap_mass']:.3f}", f"{s['share_clean']:.3f}",
+                 f"{s['share_noisy']:.3f}", f"{s['share_string']:.3f}", f"{s['share_prose']:.3f}",
+                 f"{s['token_share_arith']:.3f}"]
                 + [f"{s[f'skill_{k}']:.2f}" for k in mass.SKILLS] for s in sel]
     g = meta["graph"]
     graph_rows = [[s, int(c), f"{w:.3f}"] for s, c, w in zip(g["skills"], g["counts"], g["weights"])]
     lines = [
         "# MASS at tiny scale: skill-graph selection on a synthetic arithmetic pool", "",
-        f"Preset `{meta['preset']}`, commit `{meta['commit']}`, {meta['minutes']:.1f} min. "
+        f"Preset `{meta['preset']}`, commit `{meta['commit']}`, {meta['minutes']:.1f} min for this invocation "
+        f"(cached runs are reused; the arms' training took {sum(r['train_s'] for r in rows) / 60:.1f} min in "
+        "all when they ran). "
         f"Pool: {exp.pool_n} documents ({meta['train_docs']} in the train split), shares "
         f"{dict(exp.shares)} (the rest clean); reference set {exp.ref_n} clean documents; {exp.test_n} held-out "
         f"test problems; keep ratio x = {exp.keep_ratio:g}; node weights `{exp.node_weight}`, score "
@@ -80,7 +91,10 @@ def write(wd, exp, rows, sel, gates, meta):
         markdown_table(header, table),
         "## Reading (generated from the numbers)", "", *reading(exp, rows, sel), "",
         "## What each selection kept (train split of the pool)", "",
-        "Shares of documents by kind; skill columns: share of kept documents carrying the tag.", "",
+        "Shares of documents by kind; skill columns: share of kept documents carrying the tag. "
+        "`mass_frequency`, `mass_weighted_max` and `mass_uniform` (every skill weight 1/K) are the same "
+        "embeddings scored with other settings: selections only, not trained. Overlap = share of a "
+        "selection's documents that the MASS selection also keeps.", "",
         markdown_table(sel_header, sel_rows),
         "## Skill graph of the reference set", "",
         markdown_table(["skill", "reference documents", "weight"], graph_rows),

@@ -73,16 +73,30 @@ def selection_scores(exp, wd, corpus, texts, ref_texts):
                                                       jnp.zeros((1, 8), jnp.int32))["params"]
 
     def compute():
-        s, graph = amass.score_pool(cfg.model, params, ByteTokenizer(), ref_texts, texts,
-                                    node_weight=exp.node_weight, agg=exp.score_agg, damping=exp.damping,
-                                    seq_len=exp.embed_len)
-        return dict(scores=s.tolist(), graph=graph.as_dict())
+        kw = dict(seq_len=exp.embed_len)
+        ref_e = amass.embed_texts(cfg.model, params, ByteTokenizer(), ref_texts, **kw)
+        pool_e = amass.embed_texts(cfg.model, params, ByteTokenizer(), texts, **kw)
+        tags = [mass.tag_skills(t) for t in ref_texts]
+        s, graph = amass.score_embeddings(ref_e, tags, pool_e, node_weight=exp.node_weight,
+                                          agg=exp.score_agg, damping=exp.damping)
+        # variants for the selection tables only (not trained): other weights / aggregation
+        variants = {name: amass.score_embeddings(ref_e, tags, pool_e, node_weight=nw, agg=agg,
+                                                 damping=exp.damping)[0].tolist()
+                    for name, nw, agg in (("frequency", "frequency", exp.score_agg),
+                                          ("weighted_max", exp.node_weight, "weighted_max"))}
+        e_k = mass.skill_embeddings(ref_e, mass.tag_matrix(tags, graph.skills))
+        k = len(graph.skills)
+        variants["uniform"] = mass.mass_scores(pool_e, e_k, np.full(k, 1 / k), exp.score_agg).tolist()
+        return dict(scores=s.tolist(), graph=graph.as_dict(), variants=variants)
     key = {k: exp.to_dict()[k] for k in ("pool_n", "ref_n", "shares", "data_seed", "node_weight",
                                          "score_agg", "damping", "embed_len")}
-    got = cached(os.path.join(wd, "mass_scores.json"), dict(cfg=cfg.to_dict(), n=len(texts), **key),
-                 compute)
+    got = cached(os.path.join(wd, "mass_scores.json"),
+                 dict(cfg=cfg.to_dict(), n=len(texts), variants=3, **key), compute)
     paths = {"mass": os.path.join(wd, "scores_mass.npy")}
     amass.write_scores(paths["mass"], np.asarray(got["scores"]))
+    for name, v in got["variants"].items():  # not trained: composition and overlap only
+        paths[f"mass_{name}"] = os.path.join(wd, f"scores_mass_{name}.npy")
+        amass.write_scores(paths[f"mass_{name}"], np.asarray(v))
     # control: the rule filter (any skill tag), ties broken at random
     rng = np.random.default_rng(exp.data_seed + 7)
     rule = np.array([1.0 if mass.tag_skills(t) else 0.0 for t in texts]) + 0.5 * rng.random(len(texts))
@@ -94,14 +108,17 @@ def selection_scores(exp, wd, corpus, texts, ref_texts):
     return paths, got["graph"]
 
 
-def composition(texts, keep, kind_of):
-    """Shares of the kept documents by kind (clean / noisy / string / prose) and by tokens."""
+def composition(texts, keep, kind_of, reference=None):
+    """Shares of the kept documents by kind (clean / noisy / string / prose) and by tokens;
+    ``overlap_mass``: |keep ∩ reference| / |keep| (the MASS selection's indices)."""
     kept = [texts[i] for i in keep]
     n_tok = sum(len(t) + 2 for t in kept)
     out = {f"share_{k}": float(np.mean([kind_of[t] == k for t in kept])) for k in mass.KINDS}
     out["token_share_clean"] = sum(len(t) + 2 for t in kept if kind_of[t] == "clean") / n_tok
     out["token_share_arith"] = sum(len(t) + 2 for t in kept if kind_of[t] in ("clean", "noisy")) / n_tok
     out["docs"] = len(kept)
+    out["overlap_mass"] = (len(np.intersect1d(keep, reference)) / len(keep)) if reference is not None \
+        else float("nan")
     out["tokens"] = n_tok
     tags = [mass.tag_skills(t) for t in kept]
     for s in mass.SKILLS:
@@ -124,14 +141,15 @@ def arm_runs(exp):
     """(arm, seed, steps, scores key, ratio) of every run."""
     s = exp.run.train.steps
     more = int(round(s / exp.keep_ratio))
+    unknown = sorted(set(exp.arms) - set(ARMS))
+    if unknown or "full" not in exp.arms:
+        raise ValueError(f"arms={tuple(exp.arms)}: choose from {ARMS}, including 'full' (the gate's arm)")
     out = []
     for seed in exp.seeds:
         out += [("full", seed, s, "", 1.0), ("random", seed, s, f"random_{seed}", exp.keep_ratio),
-                ("mass", seed, s, "mass", exp.keep_ratio)]
-        if exp.filter_control:
-            out.append(("filter", seed, s, "filter", exp.keep_ratio))
-        out.append(("full_more", seed, more, "", 1.0))
-    return out
+                ("mass", seed, s, "mass", exp.keep_ratio), ("filter", seed, s, "filter", exp.keep_ratio),
+                ("full_more", seed, more, "", 1.0)]
+    return [r for r in out if r[0] in exp.arms]
 
 
 def train_and_score(exp, wd, corpus, paths, test):

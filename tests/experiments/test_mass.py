@@ -17,7 +17,9 @@ def test_mass_tiny_outputs(tmp_path):
     rows = list(csv.DictReader(open(os.path.join(wd, "results.csv"))))
     assert [(r["arm"], int(r["seed"])) for r in rows] == [(a, s) for a, s, *_ in stages.arm_runs(exp)]
     tokens = {r["arm"]: int(r["tokens"]) for r in rows}
-    assert tokens["full"] == tokens["random"] == tokens["mass"] == tokens["full_more"] * exp.keep_ratio
+    assert tokens["full"] == tokens["mass"] == exp.run.train.steps * exp.run.train.batch_size * exp.run.data.seq_len
+    more = {a: (steps, ratio) for a, _, steps, _, ratio in stages.arm_runs(PRESETS["default"])}
+    assert more["full_more"] == (2 * more["random"][0], 1.0) and more["random"][1] == more["mass"][1] == 0.5
     for r in rows:
         assert 0.0 <= float(r["em"]) <= 1.0
     sel = {s["selection"]: s for s in csv.DictReader(open(os.path.join(wd, "selections.csv")))}
