@@ -28,6 +28,7 @@ from tqdm import tqdm
 from icml_jax import sharding as mesh_lib
 from icml_jax import tasks
 from icml_jax.analysis.flops import train_flops_per_token
+from icml_jax.data import mass as data_mass
 from icml_jax.models import contract as model_contract
 from icml_jax.models import hetero
 from icml_jax.train import checkpoint as ckpt_lib
@@ -118,6 +119,9 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> tupl
                          f"config.model.num_kv_heads={m.num_kv_heads}")
     model_contract.validate(m)  # the residual stream's and position embedding's own checks
     evic_lib.settings(config)  # config.evic's own checks (when enabled)
+    scores_path, _ = data_mass.check_select_config(config.data)  # data.select_scores / select_ratio
+    if scores_path:
+        data_mass.read_scores(scores_path)  # a missing or malformed file stops here, not after a compile
     if m.num_kv_heads % shape[2]:
         raise ValueError(f"config.mesh.tensor={shape[2]} does not divide config.model.num_kv_heads="
                          f"{m.num_kv_heads}: tensor parallelism splits the KV heads; pick a tensor "

@@ -172,3 +172,18 @@ def test_select_scores_keeps_the_top_documents_in_the_train_pipeline(tmp_path, m
         with pytest.raises((ValueError, FileNotFoundError), match=msg) as e:
             pipeline.load_corpus(c, tok, "train", 32)
         assert "\n" not in str(e.value) and "config.data.select" in str(e.value)
+
+
+def test_trainer_validates_the_selection_keys_before_any_compute(tmp_path):
+    from icml_jax.config_utils import load_config
+    from icml_jax.train.trainer import validate_config
+    cfg = load_config("configs/lm.py:tiny", unlocked=True)
+    validate_config(cfg, 1)
+    np.save(tmp_path / "s.npy", np.arange(5.0))
+    cfg.data.select_scores, cfg.data.select_ratio = str(tmp_path / "s.npy"), 0.5
+    validate_config(cfg, 1)
+    for path, ratio, msg in (("", 0.5, "needs config.data.select_scores"), (str(tmp_path / "s.npy"), 2.0, "(0, 1]"),
+                             (str(tmp_path / "x.npy"), 0.5, "does not exist")):
+        cfg.data.select_scores, cfg.data.select_ratio = path, ratio
+        with pytest.raises((ValueError, FileNotFoundError), match=msg.replace("(", r"\(").replace("]", r"\]")):
+            validate_config(cfg, 1)

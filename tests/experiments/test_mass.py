@@ -4,8 +4,12 @@ import csv
 import json
 import os
 
-from experiments.mass.__main__ import PRESETS, main
+import ml_collections
+
 from experiments.mass import stages
+from experiments.mass.__main__ import PRESETS, main
+from icml_jax.data import pipeline
+from icml_jax.data.tokenizers import ByteTokenizer
 
 
 def test_mass_tiny_outputs(tmp_path):
@@ -27,8 +31,14 @@ def test_mass_tiny_outputs(tmp_path):
     for k in ("mass", "random_0"):
         assert int(sel[k]["docs"]) == -(-n // 2)
         assert abs(sum(float(sel[k][f"share_{c}"]) for c in ("clean", "noisy", "string", "prose")) - 1) < 1e-9
-    # the MASS run trained on exactly the selected documents
+    # the MASS run read the MASS scores through the pipeline option: its train split is the top half
     log = json.load(open(os.path.join(wd, "config.json")))
     assert log["meta"]["train_docs"] == n and log["gates"]
+    run = json.load(open(os.path.join(wd, "runs", "mass_seed0", "train_key.json")))
+    assert run["data"]["select_scores"] == os.path.join(wd, "scores_mass.npy")
+    assert run["data"]["select_ratio"] == exp.keep_ratio
+    data = ml_collections.ConfigDict(run["data"])
+    kept = pipeline.load_corpus(data, ByteTokenizer(), "train", data.seq_len)
+    assert kept.num_documents == int(sel["mass"]["docs"])
     md = open(os.path.join(wd, "results.md")).read()
     assert "Gates:" in md and "Clean-row control" in md and "Skill graph" in md
