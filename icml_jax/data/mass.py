@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Sequence
 
 import numpy as np
@@ -379,7 +380,6 @@ class SelectedSource(Sequence):
 
 def read_scores(path: str) -> np.ndarray:
     """The per-document scores of a ``.npy`` file (one float per train document)."""
-    import os  # pylint: disable=g-import-not-at-top
     if not path.endswith(".npy"):
         raise ValueError(f"config.data.select_scores={path!r}: expected a .npy file of one score "
                          "per train document (icml_jax.analysis.mass.write_scores writes one)")
