@@ -38,7 +38,7 @@ _HARNESS = dict(obs_len=16, hidden_dim=32, belief_dim=32, heads=4, layers=2, mix
                 hyper_hidden=64)
 PRESETS = {
     "tiny": preset(data_seed=0, knobs=dict(num_steps=1, digits=2, operators="+-"), train_problems=64,
-                   test_problems=16, harness_questions=8, n_agents=3, executor_steps=0, coordinator_steps=0,
+                   test_problems=8, harness_questions=4, n_agents=3, executor_steps=0, coordinator_steps=0,
                    lm=dict(model=dict(d_model=32, num_layers=1, num_heads=2, num_kv_heads=2, head_dim=16,
                                       ffn_dim=64),
                            data=dict(seq_len=32), train=dict(batch_size=4, lr=3e-3, warmup_steps=1, log_every=2,
@@ -59,27 +59,34 @@ def log(*m):
     print("[econ]", *m, flush=True)
 
 
-def evaluate(exp, harness, params, executors, coord, tok, prompts, truths, key):
-    """Accuracy of every arm on the evaluation questions with ``params`` as the belief networks."""
+def evaluate(exp, harness, params, params0, executors, coord, tok, prompts, truths, key):
+    """Accuracy of every arm on the evaluation questions with ``params`` as the belief networks
+    (``params0``: the untrained ones, for the arm ECON untrained)."""
     import jax
     import jax.numpy as jnp
 
     from experiments.econ import lms
     from icml_jax.analysis import econ as E
-    obs = E.encode_obs(tok, prompts, harness.cfg.obs_len, harness.cfg.n_agents)
-    out = harness.act(params, jnp.asarray(obs))
-    acts = np.stack([np.asarray(out["temperature"]), np.asarray(out["top_p"])], -1)
-    plain = np.ones_like(acts)
-    s_plain = E.sample_team(executors, tok, prompts, plain, jax.random.fold_in(key, 0), exp.max_new, lms.parse)
+    obs = jnp.asarray(E.encode_obs(tok, prompts, harness.cfg.obs_len, harness.cfg.n_agents))
+
+    def actions(p):
+        out = harness.act(p, obs)
+        return np.stack([np.asarray(out["temperature"]), np.asarray(out["top_p"])], -1)
+    acts, acts0 = actions(params), actions(params0)
+    s_plain = E.sample_team(executors, tok, prompts, np.ones_like(acts), jax.random.fold_in(key, 0), exp.max_new,
+                            lms.parse)
     s_econ = E.sample_team(executors, tok, prompts, acts, jax.random.fold_in(key, 1), exp.max_new, lms.parse)
+    s_econ0 = E.sample_team(executors, tok, prompts, acts0, jax.random.fold_in(key, 1), exp.max_new, lms.parse)
     acc = lambda picks: float(np.mean([p is not None and p == t for p, t in zip(picks, truths)]))  # noqa: E731
     res = {"majority (T=1, p=1)": acc([E.majority_vote(a) for a in s_plain]),
            "coordinator (T=1, p=1)": acc(E.commit(coord, prompts, s_plain)),
            "majority (ECON T, p)": acc([E.majority_vote(a) for a in s_econ]),
-           "ECON": acc(E.commit(coord, prompts, s_econ))}
+           "ECON": acc(E.commit(coord, prompts, s_econ)),
+           "ECON untrained": acc(E.commit(coord, prompts, s_econ0))}
     per_exec = [float(np.mean([a[i] == t for a, t in zip(s_plain, truths)])) for i in range(len(executors))]
     extra = dict(per_executor=per_exec, pass_at_n=float(np.mean([t in a for a, t in zip(s_plain, truths)])),
-                 mean_T=float(acts[..., 0].mean()), mean_p=float(acts[..., 1].mean()))
+                 mean_T=float(acts[..., 0].mean()), mean_p=float(acts[..., 1].mean()),
+                 mean_T0=float(acts0[..., 0].mean()), mean_p0=float(acts0[..., 1].mean()))
     return res, extra
 
 
@@ -121,14 +128,11 @@ def run(args, exp, elapsed):
                                       ts=float(np.mean([x["ts"] for x in res["rewards"]]))))
         log(f"seed {seed}: {len(curve)} updates; mix loss {curve[0]['mix_loss']:.3f} -> {curve[-1]['mix_loss']:.3f}, "
             f"belief loss {curve[0]['belief_loss']:.3f} -> {curve[-1]['belief_loss']:.3f} ({elapsed() / 60:.1f} min)")
-        accs, extra = evaluate(exp, harness, harness.state["params"], executors, coord, tok, ev_prompts, ev_truths,
-                               jax.random.fold_in(key, 1))
-        acc0, extra0 = evaluate(exp, harness, params0, executors, coord, tok, ev_prompts, ev_truths,
-                                jax.random.fold_in(key, 1))
-        accs["ECON untrained"] = acc0["ECON"]
+        accs, extra = evaluate(exp, harness, harness.state["params"], params0, executors, coord, tok, ev_prompts,
+                               ev_truths, jax.random.fold_in(key, 1))
         for arm in ARMS:
-            e = extra0 if arm == "ECON untrained" else extra
-            tp = (1.0, 1.0) if "T=1" in arm else (e["mean_T"], e["mean_p"])
+            tp = ((1.0, 1.0) if "T=1" in arm else (extra["mean_T0"], extra["mean_p0"]) if arm == "ECON untrained"
+                  else (extra["mean_T"], extra["mean_p"]))
             rows.append(dict(seed=seed, arm=arm, accuracy=accs[arm], mean_T=tp[0], mean_p=tp[1]))
         curves[seed], extras[seed] = curve, extra
         log(f"seed {seed}: " + ", ".join(f"{a} {accs[a]:.3f}" for a in ARMS))

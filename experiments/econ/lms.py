@@ -1,5 +1,6 @@
 """The ECON study's frozen LMs: 3 executors and a coordinator, byte-level decoders trained briefly
 with the normal trainer on one-step arithmetic written as ``"<expression>=<answer>"`` documents."""
+import functools
 import json
 import os
 
@@ -77,8 +78,16 @@ def train_lms(exp, workdir, train_problems):
 
 def _init_params(cfg, seed: int):
     import jax
+    return _initializer(cfg.model.to_json_best_effort(sort_keys=True))(jax.random.key(seed))
+
+
+@functools.lru_cache(maxsize=4)
+def _initializer(model_json: str):
+    """One jitted decoder init per model config (the four LMs share one compiled program)."""
+    import jax
     import jax.numpy as jnp
+    import ml_collections
 
     from icml_jax.models.decoder import build_model
-    model = build_model(cfg.model)
-    return jax.jit(model.init)(jax.random.key(seed), jnp.ones((1, 8), jnp.int32))["params"]
+    model = build_model(ml_collections.ConfigDict(json.loads(model_json)))
+    return jax.jit(lambda key: model.init(key, jnp.ones((1, 8), jnp.int32))["params"])
