@@ -5,6 +5,10 @@ import pytest
 
 from icml_jax.analysis import econ as E
 
+# one worker for this module and tests/experiments/test_econ.py: the experiment's tiny run then
+# finds this harness's compiled init and train step in the compilation cache
+pytestmark = pytest.mark.xdist_group("econ_harness")
+
 
 @pytest.fixture(scope="module")
 def trained():

@@ -4,10 +4,13 @@ format by hand."""
 import csv
 import os
 
+import pytest
+
 from experiments.econ import lms
 from experiments.econ.__main__ import ARMS, PRESETS, main
 
 
+@pytest.mark.xdist_group("econ_harness")  # with tests/analysis/test_econ_harness.py (shared compiles)
 def test_econ_tiny_outputs(tmp_path):
     wd = str(tmp_path / "exp")
     rows, curves, gates = main([f"--workdir={wd}", "--preset=tiny"])
