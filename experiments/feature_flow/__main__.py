@@ -43,9 +43,9 @@ PRESETS = {
                  train=dict(steps=6, batch_size=4, lr=1e-2, warmup_steps=2, log_every=3, eval_every=6,
                             eval_batches=1, checkpoint_every=6))),
     "default": preset(
-        seeds=(0, 1, 2), docs=4000, piece_len=127, topic_share=0.5, latents=1024, k=16, aux_k=64, sae_steps=300,
+        seeds=(0, 1, 2), docs=4000, piece_len=127, topic_share=0.5, latents=512, k=16, aux_k=64, sae_steps=500,
         sae_batch=16, sae_lr=1e-3, eval_per_topic=8, eval_generic=16, min_active=5, coact=0.5, targets=64, top=5,
-        strengths=(0.25, 0.5, 1.0, 2.0), rs=(0.5, 0.0, -1.0, -3.0), steer_topics=4, prompts=32, new_tokens=48, temperature=1.27,
+        strengths=(0.03, 0.06, 0.12, 0.25), rs=(0.5, 0.0, -1.0, -3.0), steer_topics=4, prompts=32, new_tokens=48, temperature=1.27,
         top_p=0.7, fvu_gate=0.3, topic_gate=0.3,
         run=dict(model=_MODEL, train=dict(steps=600, batch_size=16, lr=3e-3, warmup_steps=40, log_every=100,
                                           eval_every=600, eval_batches=4, checkpoint_every=300))),
@@ -134,10 +134,15 @@ def run_seed(exp, cfg, docs, seed, unigram, wd) -> dict:
     gen = dict(prompts=exp.prompts, new_tokens=exp.new_tokens, temperature=exp.temperature, top_p=exp.top_p,
                seed=seed, unigram=unigram)
     s_rows, graphs = [], {}
-    for ti, (name, (f, sel)) in enumerate(list(zip(study.NAMES, feats))[:exp.steer_topics]):
-        root = (L - 1, "res", f)
-        nodes = ff.graph_nodes(ff.flow_graph(decoders, L - 1, f), root=root)
-        graphs[name] = dict(feature=f, selectivity=sel, nodes=[list(n) for n in nodes])
+    origins = ff.all_origins(decoders)
+    for ti, (name, cands) in enumerate(list(zip(study.NAMES, feats))[:exp.steer_topics]):
+        # of the topic's most selective features, the one whose flow graph reaches furthest back
+        # (ties: the more selective); a graph cut at once makes cumulative = its own layer
+        graph = {f: ff.graph_nodes(ff.flow_graph(origins, L - 1, f), root=(L - 1, "res", f)) for f, _ in cands}
+        f, sel = min(cands, key=lambda c: min(n[0] for n in graph[c[0]]))
+        root, nodes = (L - 1, "res", f), graph[f]
+        graphs[name] = dict(feature=f, selectivity=sel, nodes=[list(n) for n in nodes],
+                            depth=L - min(n[0] for n in nodes))
         points = {(n[0], n[1]) for n in nodes}
         # every run of a topic edits the graph's points (one compiled program per topic): the
         # single-layer runs and the baselines add 0 (steer weight 0) / rescale by r = 1 elsewhere,
@@ -281,6 +286,7 @@ def report(args, exp, per_seed, unigram, elapsed):
               markdown_table(["mode", "r", "topic word rate", "coherence", "NLL"], rows), ""]
     # direction
     graph_sizes = [len(g["nodes"]) for res in per_seed.values() for g in res["graphs"].values()]
+    depths = [g["depth"] for res in per_seed.values() for g in res["graphs"].values()]
     best = {mode: max(exp.strengths, key=lambda v: st[(mode, v)]["score"][0]) for mode in MODES}
     base_b = st[("none", 0.0)]["behaviour"][0]
     lines += ["## Direction (as measured)", "",
@@ -291,7 +297,9 @@ def report(args, exp, per_seed, unigram, elapsed):
               f"{pm(*mean_spread(agg['random_top5'][0])[:2])}; success {pm(*mean_spread(agg['top1'][1])[:2])} vs "
               f"{pm(*mean_spread(agg['random_top5'][1])[:2])}; Pearson top-1 change "
               f"{pm(*mean_spread(agg['pearson_top1'][0])[:2])}, success {pm(*mean_spread(agg['pearson_top1'][1])[:2])}.",
-              f"- Steering: flow graphs have {np.mean(graph_sizes):.1f} nodes on average (min {min(graph_sizes)}). "
+              f"- Steering: the steered features' flow graphs have {np.mean(graph_sizes):.1f} nodes on average (min "
+              f"{min(graph_sizes)}) and span {np.mean(depths):.2f} layers (1 = the chain is cut at once, so cumulative "
+              "steering adds the module predecessors' directions at the same layer only). "
               f"Unsteered topic word rate {base_b:.3f}. Best score: cumulative {st[('cumulative', best['cumulative'])]['score'][0]:.3f} "
               f"at s = {best['cumulative']:g}, single-layer {st[('single', best['single'])]['score'][0]:.3f} at "
               f"s = {best['single']:g}. Behaviour at the smallest s: cumulative "

@@ -370,19 +370,21 @@ def deactivate(model_cfg, lm_params, saes: dict, z: dict, tokens, pairs: list[tu
 
 # ----------------------------------------------------------------------------- steering
 
-def topic_features(z_res, labels_tok, num_topics: int, min_active: int) -> list[tuple[int, float]]:
-    """For each topic, the residual feature (of ``z_res`` [N, M]) with the largest mean activation on
-    the topic's tokens minus its mean on all other tokens, among features active on ≥ ``min_active``
-    tokens: [(feature, selectivity)]."""
+def topic_features(z_res, labels_tok, num_topics: int, min_active: int, top: int = 10) -> list[list[tuple]]:
+    """For each topic, the ``top`` residual features (of ``z_res`` [N, M]) most selective for it,
+    best first: [(feature, selectivity)] with selectivity = mean activation on the topic's tokens
+    minus the largest mean on another topic's tokens (generic text left out, so a feature of
+    templated text in general scores 0), among features active on ≥ ``min_active`` tokens."""
     z = z_res.reshape(-1, z_res.shape[-1])
     lab = labels_tok.reshape(-1)
     ok = (z > 0).sum(0) >= min_active
+    means = np.stack([z[lab == t].mean(0) for t in range(num_topics)])  # [topics, M]
     out = []
     for t in range(num_topics):
-        sel = z[lab == t].mean(0) - z[lab != t].mean(0)
+        sel = means[t] - np.delete(means, t, axis=0).max(0)
         sel = np.where(ok, sel, -np.inf)
-        f = int(np.argmax(sel))
-        out.append((f, float(sel[f])))
+        order = np.argsort(-sel, kind="stable")[:top]
+        out.append([(int(f), float(sel[f])) for f in order])
     return out
 
 
