@@ -44,7 +44,7 @@ PRESETS = {
                             eval_batches=1, checkpoint_every=6))),
     "default": preset(
         seeds=(0, 1, 2), docs=4000, piece_len=127, topic_share=0.5, latents=512, k=16, aux_k=64, sae_steps=500,
-        sae_batch=16, sae_lr=1e-3, eval_per_topic=8, eval_generic=16, min_active=5, coact=0.5, targets=64, top=5,
+        sae_batch=16, sae_lr=2e-3, eval_per_topic=8, eval_generic=16, min_active=5, coact=0.5, targets=64, top=5,
         strengths=(0.03, 0.06, 0.12, 0.25), rs=(0.5, 0.0, -1.0, -3.0), steer_topics=4, prompts=32, new_tokens=48, temperature=1.27,
         top_p=0.7, fvu_gate=0.3, topic_gate=0.3,
         run=dict(model=_MODEL, train=dict(steps=600, batch_size=16, lr=3e-3, warmup_steps=40, log_every=100,

@@ -121,7 +121,9 @@ class SAE(nn.Module):
             raise ValueError(f"SAE k={self.k} must be in [1, latents={self.latents}]")
         D, M = self.d_model, self.latents
         x = x.astype(jnp.float32)
-        w_dec = self.param("W_dec", nn.initializers.normal(1.0), (M, D))
+        # rows of norm ~1: the unit-row parametrisation divides a row's gradient by its norm, so
+        # rows of norm sqrt(D) (a N(0, 1) init) would turn ~sqrt(D) times slower
+        w_dec = self.param("W_dec", nn.initializers.normal(D ** -0.5), (M, D))
         # the encoder starts as the decoder's transpose (Gao et al. 2024)
         w_enc = self.param("W_enc", lambda _, shape: unit_rows(w_dec).T, (D, M))
         b_enc = self.param("b_enc", nn.initializers.zeros, (M,))
