@@ -3,6 +3,7 @@
 random-init tiny decoder (configs/lm.py:tiny, byte tokenizer, max_seq_len 128)."""
 import json
 import math
+import os
 import subprocess
 import sys
 import types
@@ -253,3 +254,22 @@ def test_lm_eval_builds_the_adapter_from_a_workdir(workdir):
     assert lm.where == f"{workdir} step 1" and lm.max_gen_toks == 7 and lm.lm.scorer.batch_size == 16
     with pytest.raises(ValueError, match=r"unknown \['checkpont'\]; expected checkpoint="):
         get_model("icml_jax").create_from_arg_string(f"checkpont={workdir}")
+
+
+def test_lm_eval_runs_a_local_task_file_end_to_end(tiny, monkeypatch):
+    """lm-eval's own ``simple_evaluate`` on the local multiple-choice task of docs/lm_eval_example
+    (a JSONL file, no download) with our adapter: its accuracy equals the share of rows where our
+    log-likelihood of the right choice is the highest."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from icml_jax.lm_eval_adapter import IcmlJaxLM
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    lm = IcmlJaxLM(model=(tiny.config.model, tiny.params, ByteTokenizer()), batch_size=BATCH)
+    res = lm_eval.simple_evaluate(model=lm, tasks=["letters_mc"], task_manager=TaskManager(
+        include_path="docs/lm_eval_example"), log_samples=False, verbosity="ERROR")
+    rows = [json.loads(line) for line in open("docs/lm_eval_example/letters.jsonl")]
+    want = np.mean([int(np.argmax([ll for ll, _ in tiny.lm.loglikelihood(
+        [(f"Q: {r['question']}\nA:", " " + c) for c in r["choices"]])])) == r["answer"] for r in rows])
+    assert res["results"]["letters_mc"]["acc,none"] == pytest.approx(want)
