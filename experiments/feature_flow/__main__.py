@@ -23,6 +23,7 @@ topic prompt, and the SAEs reconstruct (mean FVU below ``fvu_gate``).
 Outputs: DIR/results.md, DIR/groups.csv, DIR/deactivation.csv, DIR/steering.csv,
 DIR/feature_flow.png, DIR/config.json; per-seed caches and runs under DIR/runs.
 """
+import json
 import os
 import sys
 
@@ -45,13 +46,14 @@ PRESETS = {
     "default": preset(
         seeds=(0, 1, 2), docs=4000, piece_len=127, topic_share=0.5, latents=512, k=16, aux_k=64, sae_steps=500,
         sae_batch=16, sae_lr=2e-3, eval_per_topic=8, eval_generic=16, min_active=5, coact=0.5, targets=64, top=5,
-        strengths=(0.03, 0.06, 0.12, 0.25), rs=(0.5, 0.0, -1.0, -3.0), steer_topics=4, prompts=32, new_tokens=48, temperature=1.27,
+        strengths=(0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0), rs=(0.5, 0.0, -1.0, -3.0), steer_topics=4, prompts=32, new_tokens=48, temperature=1.27,
         top_p=0.7, fvu_gate=0.3, topic_gate=0.3,
         run=dict(model=_MODEL, train=dict(steps=600, batch_size=16, lr=3e-3, warmup_steps=40, log_every=100,
                                           eval_every=600, eval_batches=4, checkpoint_every=300))),
 }
 MODES = ("cumulative", "single")
 KINDS = ("top1", "random_top5", "pearson_top1")
+SAE_KEYS = ("latents", "k", "aux_k", "sae_steps", "sae_batch", "sae_lr", "docs", "piece_len", "topic_share")
 
 
 def main(argv=None):
@@ -97,8 +99,11 @@ def run_seed(exp, cfg, docs, seed, unigram, wd) -> dict:
     train_tok = _tokens(tok, docs, T)
     rng = np.random.default_rng(1000 + seed)
     batches = (train_tok[rng.integers(len(train_tok), size=exp.sae_batch)] for _ in range(exp.sae_steps))
-    saes, sae_stats = study.train_saes(cfg.model, params, batches, latents=exp.latents, k=exp.k, aux_k=exp.aux_k,
-                                       lr=exp.sae_lr, seed=seed)
+    key = dict(run=json.loads(cfg.to_json_best_effort()), seed=seed, **{k: exp[k] for k in SAE_KEYS})
+    saes, sae_stats = study.cached_saes(
+        os.path.join(wd, "runs", f"saes_seed{seed}"), key,
+        lambda: study.train_saes(cfg.model, params, batches, latents=exp.latents, k=exp.k, aux_k=exp.aux_k,
+                                 lr=exp.sae_lr, seed=seed))
     times["sae_s"] = t()
     t = stopwatch()
     decoders = {p: np.asarray(ff.SAEAt(None, v).decoder()) for p, v in saes.items()}

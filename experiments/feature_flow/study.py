@@ -28,6 +28,7 @@ along a flow graph vs at one layer.
 from __future__ import annotations
 
 import functools
+import os
 import re
 
 import numpy as np
@@ -208,6 +209,33 @@ def train_saes(model_cfg, lm_params, batches, *, latents: int, k: int, aux_k: in
     stats["scale"] = {f"{pt[0]}/{pt[1]}": float(scale[j]) for j, pt in enumerate(points)}
     stats["steps"] = len(hist)
     return out, stats
+
+
+def cached_saes(path: str, key: dict, train) -> tuple[dict, dict]:
+    """``train()``'s (SAE params, stats), stored at ``path``.npz / ``path``.json (atomically) and
+    read back when the stored key equals ``key`` (the LM run and the SAE settings), so a change
+    to the analysis does not retrain the SAEs."""
+    import json
+
+    from experiments.common import write_json
+    from icml_jax.atomic import atomic_path
+    key = json.loads(json.dumps(key))
+    if os.path.exists(path + ".json") and os.path.exists(path + ".npz"):
+        with open(path + ".json") as f:
+            meta = json.load(f)
+        if meta["key"] == key:
+            arrays = np.load(path + ".npz")
+            out = {}
+            for name in arrays.files:
+                layer, module, leaf = name.split("|")
+                out.setdefault((int(layer), module), {})[leaf] = arrays[name]
+            return out, meta["stats"]
+    saes, stats = train()
+    flat = {f"{layer}|{m}|{leaf}": np.asarray(v) for (layer, m), p in saes.items() for leaf, v in p.items()}
+    with atomic_path(path + ".npz", suffix=".tmp.npz") as tmp:
+        np.savez(tmp, **flat)
+    write_json(path + ".json", dict(key=key, stats=stats))
+    return saes, stats
 
 
 @functools.lru_cache(maxsize=4)
