@@ -351,12 +351,13 @@ def _deactivate_fn(model_cfg, source_name: str, target_name: str, latents: int, 
 
     from icml_jax.analysis.feature_flow import _rescale
     from icml_jax.models import build_model, hooks
-    from icml_jax.models.sae import unit_decoder
+    from icml_jax.models.sae import unit_rows
     sae = sae_module(model_cfg.d_model, latents, k)
     edit = _rescale(sae)
 
     def one(lm_params, src, j, tgt, f, tokens):
-        args = {"params": src, "feats": j[None], "dec_F": unit_decoder(src)[j][None], "scale": jnp.float32(-1.0)}
+        # the one decoder row normalised, not the whole [M, D] decoder per vmapped pair
+        args = {"params": src, "feats": j[None], "dec_F": unit_rows(src["W_dec"][j][None]), "scale": jnp.float32(-1.0)}
         model = build_model(model_cfg, edits=hooks.Edits({source_name: edit}, args={source_name: args}))
         x = hooks.capture(model, lm_params, tokens, points=[target_name])[target_name]
         return sae.apply({"params": tgt}, x.astype(jnp.float32))[1][..., f]
@@ -416,21 +417,13 @@ def topic_features(z_res, labels_tok, num_topics: int, min_active: int, top: int
     return out
 
 
-@functools.lru_cache(maxsize=4)
-def _nll_fn(model_cfg):
-    import jax
-
-    from icml_jax.losses.logps import token_logprobs
-    from icml_jax.models import build_model
-    model = build_model(model_cfg)
-    return jax.jit(lambda p, x: token_logprobs(model.apply({"params": p}, x[:, :-1]), x[:, 1:]))
-
-
 def continuation_nll(model_cfg, params, prompt_rows, cont_tokens) -> np.ndarray:
     """Mean NLL (nats/token) of each continuation [N, C] given its prompt, under ``params`` unedited."""
     import ml_collections
+
+    from experiments.iti_bad_data.lm import _ce_fn  # the jitted per-token log-probs, no edits
     rows = np.asarray([list(p) + list(c) for p, c in zip(prompt_rows, cont_tokens)], np.int32)
-    lp = np.asarray(_nll_fn(ml_collections.FrozenConfigDict(model_cfg))(params, rows))
+    lp = np.asarray(_ce_fn(ml_collections.FrozenConfigDict(model_cfg), None)(params, rows))
     P = len(prompt_rows[0])
     return -lp[:, P - 1:].mean(1)
 

@@ -190,6 +190,16 @@ def test_a_rescale_edit_moves_its_point_by_exactly_r_minus_1_times_a_v(tiny):
                                    atol=1e-4 * np.abs(want).max())
         for pt in ("resid_pre", "attn_out", "mlp_hidden"):
             np.testing.assert_array_equal(got[f"layer_0/{pt}"], base[f"layer_0/{pt}"])
+    # r per point: r = 1 at a point leaves it exactly as it was, so {mlp: 0, res of layer 1: 1}
+    # is the mlp-only edit, bit for bit, and the wrong key set is refused
+    nodes = [(0, "mlp", j1), (1, "res", 5)]
+    per_point = hooks.capture(build_model(m, edits=ff.rescale_edits(saes, nodes, {(0, "mlp"): 0.0, (1, "res"): 1.0})),
+                              p, TOKENS)
+    only = hooks.capture(build_model(m, edits=ff.rescale_edits(saes, nodes[:1], 0.0)), p, TOKENS)
+    np.testing.assert_array_equal(per_point["layer_1/resid_post"], only["layer_1/resid_post"])
+    assert not np.array_equal(only["layer_1/resid_post"], base["layer_1/resid_post"])
+    with pytest.raises(ValueError, match="exactly the nodes' points"):
+        ff.rescale_edits(saes, nodes, {(0, "mlp"): 0.0})
 
 
 def test_steering_at_layer_l_leaves_everything_below_alone_and_adds_s_v(tiny):
