@@ -117,6 +117,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.tokenizer = ml_collections.ConfigDict()
     c.data.tokenizer.type = "byte"  # byte | sentencepiece
     c.data.tokenizer.model_path = ""  # a SentencePiece .model file
+    c.data.tokenizer.extra_ids = 0  # byte only: N single-token symbols U+E000.. (ids 259..258+N)
 
     c.train = ml_collections.ConfigDict()
     c.train.steps = 1000

@@ -199,14 +199,17 @@ class FrozenPolicy:
         return restore_model_params(workdir, self.model_cfg)[0]
 
 
-def train_run(cfg, workdir: str):
+def train_run(cfg, workdir: str, init=None):
     """Trains (or resumes) ``cfg`` in ``workdir`` with ``train_and_evaluate``; a workdir trained
-    with another config is wiped first (its state must not be resumed into this run). Returns
-    (summary, the metrics.jsonl rows of train steps, seconds spent)."""
+    with another config is wiped first (its state must not be resumed into this run). ``init``
+    (optional, () -> params) gives the starting params of a new run (``trainer.save_initial``
+    writes them as step 0); a run that holds checkpoints resumes instead. Returns (summary, the
+    metrics.jsonl rows of train steps, seconds spent)."""
     import shutil
 
+    from icml_jax.train import workdir as workdir_lib
     from icml_jax.train.metrics import read_metrics
-    from icml_jax.train.trainer import train_and_evaluate
+    from icml_jax.train.trainer import save_initial, train_and_evaluate
     key_path = os.path.join(workdir, "train_key.json")
     cfg_dict = json.loads(cfg.to_json_best_effort())
     if os.path.exists(key_path):
@@ -214,6 +217,8 @@ def train_run(cfg, workdir: str):
             if json.load(f) != cfg_dict:
                 shutil.rmtree(workdir)
     os.makedirs(workdir, exist_ok=True)
+    if init is not None and not workdir_lib.committed_steps(os.path.join(workdir, "checkpoints")):
+        save_initial(cfg, workdir, init())
     write_json(key_path, cfg_dict)
     elapsed = stopwatch()
     summary = train_and_evaluate(cfg, workdir)

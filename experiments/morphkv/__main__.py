@@ -2,18 +2,26 @@
 
   TFDS_DATA_DIR=/tmp/tfds python -m experiments.morphkv --workdir=DIR [--preset=tiny|default]
 
-Testbed (byte tokens). Every sequence opens with a block of ``pairs`` key/value pairs (keys are
-distinct control characters, values capital letters), followed by natural text (the embedded
-Shakespeare, held-out works for evaluation) into which queries ``QUERY key value`` are inserted
-every ``gap`` characters; every key is queried at most once, so each answer must come from the block,
-not from an earlier query. A decoder is trained on such sequences with the normal trainer (one per
-seed; the seed sets the data and the initialisation). Evaluation is teacher-forced through the
-cached decode step (``decode.scored_decode``): the prompt is the block, everything after it is the
-"response" decoded one token at a time with the policy's evictions. Measured per policy and slot
-budget N: value accuracy (argmax at the answer position), the NLL gap to the full cache on the
-natural-text tokens of the response, peak KV slots (full and SnapKV: the whole sequence, since
-SnapKV only compresses the prompt), KV bytes per sequence at that peak, and decode tokens/s (a
-second, warm call). The analysis is gated on the full cache's recall (>= ``gate`` on every seed).
+Testbed (byte tokens plus one extra token per key/value pair). Every sequence opens with a block
+of ``pairs`` pairs, each ONE token (the tokenizer's extra symbol ``key * len(values) + value``;
+keys are distinct control characters, values capital letters), followed by natural text (the
+embedded Shakespeare, held-out works for evaluation) into which queries ``QUERY key value`` are
+inserted every ``gap`` characters; every key is queried at most once, so each answer must come
+from the block, not from an earlier query. A pair in one token makes the recall a one-hop lookup
+(the query's key attends to the pair token that holds it and copies its value); written as two
+byte tokens it needs a two-layer induction circuit, which did not form within this CPU budget in
+any pilot (docs/methods/morphkv.md). The pair tokens' embeddings start as the sum of their key's
+and value's byte embeddings, and a share ``pure`` of the training sequences are queries only (no
+text, keys repeating): without either the lookup was not learned in the pilots' budget.
+
+A decoder is trained on such sequences with the normal trainer (one per seed; the seed sets the
+data and the initialisation). Evaluation is teacher-forced through the cached decode step
+(``decode.scored_decode``): the prompt is the block, everything after it is the "response"
+decoded one token at a time with the policy's evictions. Measured per policy and slot budget N:
+value accuracy (argmax at the answer position), the NLL gap to the full cache on the natural-text
+tokens of the response, peak KV slots (full and SnapKV: the whole sequence, since SnapKV only
+compresses the prompt), KV bytes per sequence at that peak, and decode tokens/s (a second, warm
+call). The analysis is gated on the full cache's recall (>= ``gate`` on every seed).
 Outputs: DIR/results.csv, DIR/results.md, DIR/recall.png, DIR/config.json.
 """
 import json
@@ -29,6 +37,7 @@ from experiments.common import (gate_lines, git_commit, markdown_table, mean_spr
 OPEN, CLOSE, QUERY = "\x02", "\x03", "\x1e"
 KEYS = "".join(chr(c) for c in (*range(1, 32), 127) if chr(c) not in "\t\n\r" + OPEN + CLOSE + QUERY)
 VALUES = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+PAIR0 = 0xE000  # the tokenizer's first extra symbol (ByteTokenizer(extra_ids=...))
 QUIET = {"train.samples": 0, "train.progress": False}
 
 PRESETS = {
@@ -36,14 +45,14 @@ PRESETS = {
         model=dict(model=dict(d_model=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, ffn_dim=64)),
         train=dict(train=dict(steps=12, batch_size=4, warmup_steps=2, log_every=6, eval_every=12, eval_batches=1,
                               checkpoint_every=12)),
-        seq_len=96, pairs=6, gap=(8, 16), train_gap=(2, 8), eval_like=0.3, train_docs=64, eval_docs=4, seeds=(0,), budgets=(40,), window=8,
-        window_ablation=(4,), ablation_budget=40, sinks=4, gate=0.9),
+        seq_len=96, pairs=6, num_keys=8, num_values=4, gap=(8, 16), pure=0.5, train_docs=64, eval_docs=4, seeds=(0,),
+        budgets=(24,), window=8, window_ablation=(4,), ablation_budget=24, sinks=4, gate=0.9),
     "default": preset(
         model=dict(model=dict(d_model=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, ffn_dim=384)),
-        train=dict(train=dict(steps=2500, batch_size=16, lr=3e-3, warmup_steps=100, log_every=100, eval_every=500,
+        train=dict(train=dict(steps=1000, batch_size=16, lr=3e-3, warmup_steps=100, log_every=100, eval_every=500,
                               eval_batches=4, checkpoint_every=500)),
-        seq_len=256, pairs=16, gap=(20, 60), train_gap=(0, 6), eval_like=0.3, train_docs=4000, eval_docs=32,
-        seeds=(0, 1), budgets=(32, 64, 128), window=16, window_ablation=(8, 32), ablation_budget=64, sinks=4,
+        seq_len=256, pairs=16, num_keys=16, num_values=7, gap=(20, 60), pure=2 / 3, train_docs=4000, eval_docs=32,
+        seeds=(0, 1, 2), budgets=(24, 32, 64), window=16, window_ablation=(8, 24), ablation_budget=32, sinks=4,
         gate=0.9),
 }
 FIELDS = ("seed", "policy", "fuse", "slots", "window", "peak_slots", "kv_bytes", "recall", "answers",
@@ -67,13 +76,21 @@ def text_pool(split: str) -> str:
     return "".join(ch for ch in text if ch == "\n" or 32 <= ord(ch) < 127)
 
 
-def make_sequence(rng, pool: str, length: int, pairs: int, gap: tuple[int, int], repeat: bool = False):
-    """One testbed sequence of exactly ``length`` characters: (text, block length in characters,
-    [(index of the answer character, key), ...]). Each key is queried once (in a random order);
-    with ``repeat`` (training) the queries go on in fresh random orders once every key was asked."""
-    keys = rng.choice(len(KEYS), pairs, replace=False)
-    vals = rng.integers(0, len(VALUES), pairs)
-    block = OPEN + "".join(KEYS[k] + VALUES[v] for k, v in zip(keys, vals)) + CLOSE
+def pair_symbol(key: int, value: int, values: int) -> str:
+    """The one-token pair (key, value): extra symbol ``key * values + value`` of the tokenizer."""
+    return chr(PAIR0 + key * values + value)
+
+
+def make_sequence(rng, pool: str, length: int, pairs: int, gap: tuple[int, int], repeat: bool = False,
+                  keys: int = 16, values: int = 7):
+    """One testbed sequence of exactly ``length`` characters (each one token): (text, block length,
+    [(index of the answer character, key), ...]). The block holds ``pairs`` one-token pairs of
+    distinct keys (out of ``keys``) and values (out of ``values``). Each key is queried once (in a
+    random order); with ``repeat`` (training) the queries go on in fresh random orders once every
+    key was asked. A gap of (0, 0) gives queries only, no text."""
+    ks = rng.choice(keys, pairs, replace=False)
+    vals = rng.integers(0, values, pairs)
+    block = OPEN + "".join(pair_symbol(k, v, values) for k, v in zip(ks, vals)) + CLOSE
     text, answers = [block], []
     n = len(block)
     order = rng.permutation(pairs)
@@ -90,31 +107,35 @@ def make_sequence(rng, pool: str, length: int, pairs: int, gap: tuple[int, int],
         if q < pairs and n + 3 <= length:
             i = order[q]
             q += 1
-            text.append(QUERY + KEYS[keys[i]] + VALUES[vals[i]])
-            answers.append((n + 2, KEYS[keys[i]]))
+            text.append(QUERY + KEYS[ks[i]] + VALUES[vals[i]])
+            answers.append((n + 2, KEYS[ks[i]]))
             n += 3
+        elif not piece:  # nothing more fits (or no query is left) and there is no text to add
+            text.append(pool[start:start + length - n])
+            n = length
     return "".join(text)[:length], len(block), [(a, k) for a, k in answers if a < length]
 
 
 def write_corpus(path: str, rng, pool: str, docs: int, exp) -> None:
-    """Training sequences: a share ``exp.eval_like`` spaced like the evaluation's, the rest with the
-    denser ``exp.train_gap`` (more answers per sequence: the recall is learned sooner)."""
+    """Training sequences: a share ``exp.pure`` of queries only (no text, keys repeating: the
+    lookup is learned from these), the rest spaced like the evaluation's, with text."""
     lines = [json.dumps({"text": make_sequence(rng, pool, exp.seq_len - 1, exp.pairs,
-                                               exp.gap if rng.uniform() < exp.eval_like else exp.train_gap,
-                                               True)[0]})
+                                               (0, 0) if rng.uniform() < exp.pure else exp.gap, True,
+                                               exp.num_keys, exp.num_values)[0]})
              for _ in range(docs)]
     write_atomic(path, "\n".join(lines) + "\n")
 
 
-def eval_batch(rng, pool: str, exp, bos_id: int, offset: int):
-    """Byte-token ids [B, seq_len] (bos first), the prompt length (the block, the same for every
+def eval_batch(rng, pool: str, exp, tok):
+    """Token ids [B, seq_len] (bos first), the prompt length (the block, the same for every
     row), the answer mask and the natural-text mask over the targets [B, seq_len - 1]."""
     rows, ans, nat = [], [], []
     T = exp.seq_len
     for _ in range(exp.eval_docs):
-        text, blen, answers = make_sequence(rng, pool, T - 1, exp.pairs, exp.gap)
-        ids = np.frombuffer(text.encode("ascii"), np.uint8).astype(np.int32) + offset
-        rows.append(np.concatenate([[bos_id], ids]))
+        text, blen, answers = make_sequence(rng, pool, T - 1, exp.pairs, exp.gap, False, exp.num_keys, exp.num_values)
+        ids = tok.encode_np(text)
+        assert len(ids) == T - 1, "every testbed character is one token"
+        rows.append(np.concatenate([[tok.bos_id], ids]))
         a = np.zeros(T - 1, bool)  # target j is token j + 1 = character j
         for idx, _ in answers:
             a[idx] = True
@@ -125,6 +146,24 @@ def eval_batch(rng, pool: str, exp, bos_id: int, offset: int):
         ans.append(a)
         nat.append(~q)
     return np.stack(rows), blen + 1, np.stack(ans), np.stack(nat)
+
+
+def initial_params(cfg, exp, tok, seed: int):
+    """The model's initialisation with every pair token's embedding set to its key's plus its
+    value's byte embedding (as new tokens are often initialised from the ones they combine)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import linen as nn
+
+    from icml_jax.models.decoder import build_model
+    params = nn.unbox(build_model(cfg.model).init(jax.random.PRNGKey(seed), jnp.zeros((1, 8), jnp.int32))["params"])
+    emb = np.array(params["io"]["embedding"])
+    byte = lambda ch: tok.encode(ch)[0]  # noqa: E731
+    for k in range(exp.num_keys):
+        for v in range(exp.num_values):
+            emb[tok.encode(pair_symbol(k, v, exp.num_values))[0]] = emb[byte(KEYS[k])] + emb[byte(VALUES[v])]
+    params["io"]["embedding"] = jnp.asarray(emb)
+    return params
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -210,8 +249,9 @@ def markdown(exp, meta, rows, gates):
         f"{meta['minutes']:.1f} min.", "",
         f"Decoder {meta['params']:,} params ({exp.model.model.num_layers} layers, {exp.model.model.num_heads} query / "
         f"{exp.model.model.num_kv_heads} KV heads, RoPE), trained {exp.train.train.steps} steps per seed on "
-        f"{exp.seq_len}-byte sequences: a block of {exp.pairs} key/value pairs, then Shakespeare with a query every "
-        f"{exp.gap[0]}–{exp.gap[1]} characters (each key once). Dev loss per seed: "
+        f"{exp.seq_len}-token sequences: a block of {exp.pairs} key/value pairs (one token each: {exp.num_keys} keys × "
+        f"{exp.num_values} values), then Shakespeare (byte tokens) with a query every {exp.gap[0]}–{exp.gap[1]} "
+        f"characters (each key once); {exp.pure:.0%} of the training sequences are queries only. Dev loss per seed: "
         f"{', '.join(f'{v:.3f}' for v in meta['dev_loss'])}. Evaluation: {exp.eval_docs} held-out sequences per seed "
         f"(held-out works as text), teacher-forced through the cached decode step; prompt = the block "
         f"({meta['prompt_len']} tokens), response = the remaining {exp.seq_len - meta['prompt_len']} tokens. "
@@ -222,7 +262,7 @@ def markdown(exp, meta, rows, gates):
                            "run only."),
         markdown_table(["policy", "slots N", "peak KV slots", "KV KiB / sequence", "recall ± se",
                         "NLL gap to full (nats/token) ± se", "decode tokens/s"], table), "",
-        "Recall = argmax accuracy at the answer positions (chance 1/26); NLL gap = mean per-token NLL on the "
+        f"Recall = argmax accuracy at the answer positions (chance 1/{exp.num_values}); NLL gap = mean per-token NLL on the "
         "response's natural-text tokens minus the full cache's (same tokens). Peak KV slots are per layer and KV "
         "head; KV bytes = peak slots × 2 (K, V) × layers × KV heads × head_dim × 4 (float32). SnapKV compresses only "
         "the prompt, which fits its budget here, so its cache grows with the response like the full one. Decode "
@@ -271,6 +311,7 @@ def run_config(exp, corpus: str, seed: int):
     cfg = load_config("configs/lm.py:small", unlocked=True)
     cfg.update_from_flattened_dict({**run_overrides(exp["model"]), **run_overrides(exp["train"]), **QUIET,
                                     "seed": seed, "data.name": "jsonl", "data.path": corpus,
+                                    "data.tokenizer.extra_ids": exp.num_keys * exp.num_values,
                                     "data.seq_len": exp.seq_len, "model.max_seq_len": exp.seq_len})
     return cfg
 
@@ -279,7 +320,11 @@ def main(argv=None):
     args, exp, elapsed = start(__doc__, PRESETS, argv)
     from icml_jax.data.tokenizers import ByteTokenizer
     from icml_jax.train.checkpoint import restore_model_params
-    tok = ByteTokenizer()
+    if exp.num_keys > len(KEYS) or exp.num_values > len(VALUES) or exp.pairs > exp.num_keys:
+        raise SystemExit(f"morphkv: need pairs <= num_keys <= {len(KEYS)} and num_values <= {len(VALUES)} "
+                         f"(got pairs={exp.pairs}, num_keys={exp.num_keys}, num_values={exp.num_values})")
+    policies(exp)  # every policy's settings are checked before any training
+    tok = ByteTokenizer(exp.num_keys * exp.num_values)
     train_pool, eval_pool = text_pool("train"), text_pool("validation")
     rows, dev, params = [], [], 0
     for seed in exp.seeds:
@@ -288,11 +333,11 @@ def main(argv=None):
             write_corpus(corpus, np.random.default_rng(seed), train_pool, exp.train_docs, exp)
         cfg = run_config(exp, corpus, seed)
         wd = os.path.join(args.workdir, f"model_seed{seed}")
-        summary, _, _ = train_run(cfg, wd)
+        summary, _, _ = train_run(cfg, wd, init=lambda: initial_params(cfg, exp, tok, seed))
         p = restore_model_params(wd, cfg.model)[0]
         params = int(summary["params"])
         dev.append(float(summary["eval"]["eval_loss"]) if "eval" in summary else float(summary["eval_loss"]))
-        batch = eval_batch(np.random.default_rng(1000 + seed), eval_pool, exp, tok.bos_id, tok.offset)
+        batch = eval_batch(np.random.default_rng(1000 + seed), eval_pool, exp, tok)
         rows += evaluate(exp, cfg.model, p, batch, seed)
     full = [r["recall"] for r in rows if r["policy"] == "full"]
     gates = {f"full-cache recall >= {exp.gate:.0%} on every seed ({', '.join(f'{a:.1%}' for a in full)})":

@@ -35,18 +35,49 @@ class Tokenizer(Protocol):
 
 
 class ByteTokenizer:
-    """UTF-8 bytes offset by 3: pad=0, bos=1, eos=2, byte b -> b + 3; vocab_size = 259."""
+    """UTF-8 bytes offset by 3: pad=0, bos=1, eos=2, byte b -> b + 3; vocab_size = 259.
+
+    ``extra_ids=N`` adds N single-token symbols after the bytes (like ByT5's extra ids): the
+    Unicode private-use characters U+E000 ... U+E000+N-1 encode to ids 259 ... 258+N (one token
+    each, not their three UTF-8 bytes) and decode back; vocab_size = 259 + N. Synthetic tasks use
+    them for symbols no text contains (e.g. one token per key/value pair)."""
 
     pad_id = 0
     bos_id = 1
     eos_id = 2
     offset = 3
-    vocab_size = 256 + offset
+    first_extra = 0xE000  # U+E000: the start of the Basic Multilingual Plane's private-use area
+
+    def __init__(self, extra_ids: int = 0):
+        if not 0 <= int(extra_ids) <= 6400:  # the private-use area U+E000..U+F8FF
+            raise ValueError(f"config.data.tokenizer.extra_ids={extra_ids}: expected 0 ... 6400")
+        self.extra_ids = int(extra_ids)
+        self.vocab_size = 256 + self.offset + self.extra_ids
+
+    def _extra_layout(self, text: str):
+        """None when ``text`` holds no extra symbol; else (utf-8 bytes, keep mask over them, the
+        extra ids at the kept first bytes of extra symbols (0 elsewhere))."""
+        if not self.extra_ids:
+            return None
+        cp = np.frombuffer(text.encode("utf-32-le"), "<u4").astype(np.int64)
+        extra = (cp >= self.first_extra) & (cp < self.first_extra + self.extra_ids)
+        if not extra.any():
+            return None
+        nbytes = 1 + (cp >= 0x80) + (cp >= 0x800) + (cp >= 0x10000)
+        char = np.repeat(np.arange(len(cp)), nbytes)
+        first = np.r_[True, char[1:] != char[:-1]]
+        keep = ~extra[char] | first
+        ids = np.where(extra[char] & first, 256 + self.offset + cp[char] - self.first_extra, 0)
+        return np.frombuffer(text.encode("utf-8"), np.uint8), keep, ids
 
     def encode_np(self, text: str) -> np.ndarray:
-        """Returns int32 ids of shape [num_utf8_bytes]."""
-        data = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
-        return data.astype(np.int32) + self.offset
+        """Returns int32 ids of shape [num_utf8_bytes] (an extra symbol counts as one)."""
+        layout = self._extra_layout(text)
+        if layout is None:
+            data = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+            return data.astype(np.int32) + self.offset
+        data, keep, extra = layout
+        return np.where(extra > 0, extra, data.astype(np.int64) + self.offset)[keep].astype(np.int32)
 
     def encode(self, text: str) -> list[int]:
         return self.encode_np(text).tolist()
@@ -55,16 +86,33 @@ class ByteTokenizer:
         """(ids [N], character spans [N, 2]): every byte of a multi-byte character covers that
         whole character (for token alignment across tokenizers, ``data/alignment.py``)."""
         from icml_jax.data.alignment import byte_char_spans  # pylint: disable=g-import-not-at-top
-        return self.encode_np(text), byte_char_spans(text)
+        spans = byte_char_spans(text)
+        layout = self._extra_layout(text)
+        return self.encode_np(text), (spans if layout is None else spans[layout[1]])
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         """Drops specials and out-of-range ids; invalid UTF-8 becomes U+FFFD (never raises)."""
         arr = np.asarray(ids, dtype=np.int64).reshape(-1)
         arr = arr[(arr >= self.offset) & (arr < self.vocab_size)]
-        return (arr - self.offset).astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+        byte_end = 256 + self.offset
+        if not (arr >= byte_end).any():
+            return (arr - self.offset).astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+        out, start = [], 0
+        for i in np.flatnonzero(arr >= byte_end):
+            out.append((arr[start:i] - self.offset).astype(np.uint8).tobytes().decode("utf-8", errors="replace"))
+            out.append(chr(self.first_extra + int(arr[i]) - byte_end))
+            start = i + 1
+        out.append((arr[start:] - self.offset).astype(np.uint8).tobytes().decode("utf-8", errors="replace"))
+        return "".join(out)
+
+    def extra_symbol(self, i: int) -> str:
+        """The character that encodes to extra id ``i`` (token id 259 + i)."""
+        if not 0 <= i < self.extra_ids:
+            raise ValueError(f"extra symbol {i} out of range: this tokenizer has extra_ids={self.extra_ids}")
+        return chr(self.first_extra + i)
 
     def __repr__(self) -> str:
-        return "ByteTokenizer(vocab_size=259)"
+        return f"ByteTokenizer(vocab_size={self.vocab_size})"
 
 
 def prompt_ids(tok, text: str) -> list[int]:
@@ -193,7 +241,7 @@ def build_tokenizer(tok_cfg: Any) -> ByteTokenizer | SentencePieceTokenizer:
     """Builds the tokenizer named by ``tok_cfg.type`` ('byte' | 'sentencepiece')."""
     kind = getattr(tok_cfg, "type", "byte")
     if kind == "byte":
-        return ByteTokenizer()
+        return ByteTokenizer(getattr(tok_cfg, "extra_ids", 0))
     if kind == "sentencepiece":
         return SentencePieceTokenizer(getattr(tok_cfg, "model_path", ""))
     raise ValueError(

@@ -33,6 +33,30 @@ def test_byte_tokenizer_ids_and_round_trip():
     assert tok.encode_np("abc").dtype == np.int32
 
 
+def test_byte_tokenizer_extra_ids():
+    """Extra symbols (U+E000 + i) are one token each (259 + i), next to multi-byte text; other
+    private-use characters stay bytes; spans and round trips hold; the config key reaches it."""
+    tok = ByteTokenizer(extra_ids=5)
+    assert tok.vocab_size == 264 and ByteTokenizer().vocab_size == 259
+    text = "a" + tok.extra_symbol(0) + "é" + tok.extra_symbol(4) + "\ue005€" + tok.extra_symbol(2)
+    ids = tok.encode(text)
+    plain = ByteTokenizer()
+    want = (plain.encode("a") + [259] + plain.encode("é") + [263] + plain.encode("\ue005€") + [261])
+    assert ids == want
+    assert tok.decode(ids) == text and tok.decode([1] + ids + [0, 2]) == text
+    assert plain.encode(text) == list(np.frombuffer(text.encode(), np.uint8) + 3)  # extra_ids=0: all bytes
+    got_ids, spans = tok.encode_with_spans(text)
+    assert got_ids.tolist() == want and len(spans) == len(want)
+    assert [text[a:b] for a, b in spans] == ["a", tok.extra_symbol(0), "é", "é", tok.extra_symbol(4)] + \
+        ["\ue005"] * 3 + ["€"] * 3 + [tok.extra_symbol(2)]
+    cfg = ml_collections.ConfigDict({"type": "byte", "extra_ids": 5})
+    assert build_tokenizer(cfg).encode(tok.extra_symbol(3)) == [262]
+    with pytest.raises(ValueError, match="extra symbol 5"):
+        tok.extra_symbol(5)
+    with pytest.raises(ValueError, match="extra_ids"):
+        ByteTokenizer(extra_ids=-1)
+
+
 def test_byte_decode_ignores_specials_and_invalid_utf8():
     tok = ByteTokenizer()
     ids = [tok.bos_id] + tok.encode("hi") + [tok.eos_id, tok.pad_id, 999, -5]

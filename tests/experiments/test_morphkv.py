@@ -6,18 +6,25 @@ import os
 
 import numpy as np
 
-from experiments.morphkv.__main__ import CLOSE, KEYS, OPEN, PRESETS, QUERY, VALUES, main, make_sequence, policies
+from icml_jax.data.tokenizers import ByteTokenizer
+
+from experiments.morphkv.__main__ import (CLOSE, KEYS, OPEN, PAIR0, PRESETS, QUERY, VALUES, main, make_sequence,
+                                         policies)
 
 POOL = "the quick brown fox jumps over the lazy dog.\n" * 400
 
 
 def test_sequences_answer_from_the_block():
     rng = np.random.default_rng(0)
-    for repeat in (False, True):
-        text, blen, answers = make_sequence(rng, POOL, 300, 8, (5, 12), repeat=repeat)
-        assert len(text) == 300 and text[0] == OPEN and text[blen - 1] == CLOSE
-        table = {text[i]: text[i + 1] for i in range(1, blen - 1, 2)}
-        assert len(table) == 8 and set(table) <= set(KEYS) and set(table.values()) <= set(VALUES)
+    for repeat, gap in ((False, (5, 12)), (True, (5, 12)), (True, (0, 0))):
+        text, blen, answers = make_sequence(rng, POOL, 300, 8, gap, repeat=repeat, keys=10, values=5)
+        assert len(text) == 300 and text[0] == OPEN and text[blen - 1] == CLOSE and blen == 10
+        codes = [ord(ch) - PAIR0 for ch in text[1:blen - 1]]  # one token per pair: key * values + value
+        assert all(0 <= c < 50 for c in codes)
+        table = {KEYS[c // 5]: VALUES[c % 5] for c in codes}
+        assert len(table) == 8
+        ids = ByteTokenizer(extra_ids=50).encode_np(text)  # every character is one token
+        assert len(ids) == 300 and ids[1:blen - 1].tolist() == [259 + c for c in codes]
         keys = []
         for idx, key in answers:
             assert text[idx - 2] == QUERY and text[idx - 1] == key and text[idx] == table[key]
@@ -25,6 +32,8 @@ def test_sequences_answer_from_the_block():
         filler = "".join(ch for i, ch in enumerate(text[blen:], blen)
                          if not any(idx - 2 <= i <= idx for idx, _ in answers))
         assert not set(filler) & set(KEYS + OPEN + CLOSE + QUERY)
+        if gap == (0, 0):  # queries only
+            assert len(filler) <= 2 and len(keys) >= 90
         if repeat:  # queries go on past the eighth, in fresh orders
             assert len(keys) > 8 and set(keys) == set(table)
         else:  # every key at most once: the answer is only in the block
