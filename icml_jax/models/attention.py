@@ -102,10 +102,12 @@ def over_causal_blocks(fn, n: int, q_tree, k_tree, ts_tree):
 class KVCache(nn.Module):
     """Decode-time key/value store (collection ``cache``), sized by the input it is initialised with.
 
-    Keys and values are stored head-major, [B, G, S, K]: the attention's dots batch over (B, G),
-    so this layout feeds them without a per-step transpose of the whole cache (with [B, S, G, K]
-    the compiled decode loop transposed both caches of every layer at every step). Callers get
-    [B, S, G, K] views."""
+    Values are stored head-major, [B, G, S, K], and keys key-major, [B, G, K, S]: the decode
+    attention's two dots batch over (B, G) and are then plain [M, K] x [K, S] and [M, S] x [S, K]
+    matmuls over the cache as it lies in memory. (With [B, S, G, K] the compiled decode loop
+    transposed both caches of every layer at every step; with head-major keys it still transposed
+    the whole key cache to [B, G, K, S] at every step, seen in the compiled HLO.) Callers get
+    [B, S, G, K] views, which XLA folds into the dots."""
 
     @nn.compact
     def __call__(self, k_BTGK, v_BTGK, positions_BT, segment_ids_BT):
@@ -114,7 +116,8 @@ class KVCache(nn.Module):
         B, T = positions_BT.shape
         ready = self.has_variable("cache", "k")
         head_major = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731  [B, T, G, K] <-> [B, G, T, K]
-        ck = self.variable("cache", "k", jnp.zeros, head_major(k_BTGK).shape, k_BTGK.dtype)
+        key_major = lambda x: jnp.transpose(x, (0, 2, 3, 1))  # noqa: E731  [B, T, G, K] -> [B, G, K, T]
+        ck = self.variable("cache", "k", jnp.zeros, key_major(k_BTGK).shape, k_BTGK.dtype)
         cv = self.variable("cache", "v", jnp.zeros, head_major(v_BTGK).shape, v_BTGK.dtype)
         cpos = self.variable("cache", "positions", jnp.zeros, (B, T), jnp.int32)
         cseg = self.variable("cache", "segment_ids", jnp.zeros, (B, T), jnp.int32)
@@ -123,15 +126,16 @@ class KVCache(nn.Module):
             idx = jnp.broadcast_to(jnp.arange(T), (B, T))
             return k_BTGK, v_BTGK, positions_BT, segment_ids_BT, idx, idx
         i = cidx.value
-        ck.value = jax.lax.dynamic_update_slice(ck.value, head_major(k_BTGK).astype(ck.value.dtype), (0, 0, i, 0))
+        ck.value = jax.lax.dynamic_update_slice(ck.value, key_major(k_BTGK).astype(ck.value.dtype), (0, 0, 0, i))
         cv.value = jax.lax.dynamic_update_slice(cv.value, head_major(v_BTGK).astype(cv.value.dtype), (0, 0, i, 0))
         cpos.value = jax.lax.dynamic_update_slice(cpos.value, positions_BT.astype(jnp.int32), (0, i))
         cseg.value = jax.lax.dynamic_update_slice(cseg.value, segment_ids_BT.astype(jnp.int32), (0, i))
         cidx.value = i + T
-        S = ck.value.shape[2]
+        S = cv.value.shape[2]
         q_idx = jnp.broadcast_to(i + jnp.arange(T), (B, T))
         k_idx = jnp.broadcast_to(jnp.arange(S), (B, S))
-        return head_major(ck.value), head_major(cv.value), cpos.value, cseg.value, q_idx, k_idx
+        k_BSGK = jnp.transpose(ck.value, (0, 3, 1, 2))
+        return k_BSGK, head_major(cv.value), cpos.value, cseg.value, q_idx, k_idx
 
 
 def kv_policy_of(model_cfg):
@@ -305,7 +309,11 @@ class Attention(nn.Module):
                                   (k_BSGK, v_BSGK), (mask_BTS, bias))
 
     def project_out(self, o_BTGRK):
-        y_BTD = jnp.einsum("BTGRK,GRKD->BTD", o_BTGRK, self.w_out.astype(o_BTGRK.dtype))
+        if self.decode:  # one [B*T, G*R*K] x [G*R*K, D] matmul: XLA's layout choice for the einsum
+            B, T, G, R, K = o_BTGRK.shape  # copied the whole transposed W_O at every decode step
+            y_BTD = jnp.dot(o_BTGRK.reshape(B, T, G * R * K), self.w_out.astype(o_BTGRK.dtype).reshape(G * R * K, -1))
+        else:
+            y_BTD = jnp.einsum("BTGRK,GRKD->BTD", o_BTGRK, self.w_out.astype(o_BTGRK.dtype))
         return y_BTD if self.lowrank is None else y_BTD + lowrank.out_delta(self.lowrank, o_BTGRK)
 
     def __call__(self, x_BTD, positions_BT, segment_ids_BT):
