@@ -199,12 +199,13 @@ class FrozenPolicy:
         return restore_model_params(workdir, self.model_cfg)[0]
 
 
-def train_run(cfg, workdir: str, init=None):
+def train_run(cfg, workdir: str, init=None, init_key: str = ""):
     """Trains (or resumes) ``cfg`` in ``workdir`` with ``train_and_evaluate``; a workdir trained
     with another config is wiped first (its state must not be resumed into this run). ``init``
     (optional, () -> params) gives the starting params of a new run (``trainer.save_initial``
-    writes them as step 0); a run that holds checkpoints resumes instead. Returns (summary, the
-    metrics.jsonl rows of train steps, seconds spent)."""
+    writes them as step 0); a run that holds checkpoints resumes instead. ``init_key`` names the
+    init in the workdir's key, so a run started from another init is wiped too. Returns (summary,
+    the metrics.jsonl rows of train steps, seconds spent)."""
     import shutil
 
     from icml_jax.train import workdir as workdir_lib
@@ -212,6 +213,8 @@ def train_run(cfg, workdir: str, init=None):
     from icml_jax.train.trainer import save_initial, train_and_evaluate
     key_path = os.path.join(workdir, "train_key.json")
     cfg_dict = json.loads(cfg.to_json_best_effort())
+    if init is not None:
+        cfg_dict = {"config": cfg_dict, "init": init_key}
     if os.path.exists(key_path):
         with open(key_path) as f:
             if json.load(f) != cfg_dict:

@@ -37,7 +37,6 @@ from experiments.common import (gate_lines, git_commit, markdown_table, mean_spr
 OPEN, CLOSE, QUERY = "\x02", "\x03", "\x1e"
 KEYS = "".join(chr(c) for c in (*range(1, 32), 127) if chr(c) not in "\t\n\r" + OPEN + CLOSE + QUERY)
 VALUES = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
-PAIR0 = 0xE000  # the tokenizer's first extra symbol (ByteTokenizer(extra_ids=...))
 QUIET = {"train.samples": 0, "train.progress": False}
 
 PRESETS = {
@@ -78,7 +77,8 @@ def text_pool(split: str) -> str:
 
 def pair_symbol(key: int, value: int, values: int) -> str:
     """The one-token pair (key, value): extra symbol ``key * values + value`` of the tokenizer."""
-    return chr(PAIR0 + key * values + value)
+    from icml_jax.data.tokenizers import ByteTokenizer
+    return chr(ByteTokenizer.first_extra + key * values + value)
 
 
 def make_sequence(rng, pool: str, length: int, pairs: int, gap: tuple[int, int], repeat: bool = False,
@@ -87,7 +87,7 @@ def make_sequence(rng, pool: str, length: int, pairs: int, gap: tuple[int, int],
     [(index of the answer character, key), ...]). The block holds ``pairs`` one-token pairs of
     distinct keys (out of ``keys``) and values (out of ``values``). Each key is queried once (in a
     random order); with ``repeat`` (training) the queries go on in fresh random orders once every
-    key was asked. A gap of (0, 0) gives queries only, no text."""
+    key was asked. A gap of (0, 0) with ``repeat`` gives queries only, no text."""
     ks = rng.choice(keys, pairs, replace=False)
     vals = rng.integers(0, values, pairs)
     block = OPEN + "".join(pair_symbol(k, v, values) for k, v in zip(ks, vals)) + CLOSE
@@ -146,6 +146,17 @@ def eval_batch(rng, pool: str, exp, tok):
         ans.append(a)
         nat.append(~q)
     return np.stack(rows), blen + 1, np.stack(ans), np.stack(nat)
+
+
+def corpus_key(exp) -> str:
+    """A digest of the preset fields a training corpus depends on (its file name carries it, so a
+    changed preset never trains on an old corpus)."""
+    import hashlib
+    fields = {k: exp[k] for k in ("seq_len", "pairs", "num_keys", "num_values", "gap", "pure", "train_docs")}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=list).encode()).hexdigest()[:10]
+
+
+INIT_KEY = "pair embeddings = key + value byte embeddings"  # train_run's cache key for initial_params
 
 
 def initial_params(cfg, exp, tok, seed: int):
@@ -328,12 +339,12 @@ def main(argv=None):
     train_pool, eval_pool = text_pool("train"), text_pool("validation")
     rows, dev, params = [], [], 0
     for seed in exp.seeds:
-        corpus = os.path.join(args.workdir, f"corpus_seed{seed}.jsonl")
+        corpus = os.path.join(args.workdir, f"corpus_seed{seed}_{corpus_key(exp)}.jsonl")
         if not os.path.exists(corpus):
             write_corpus(corpus, np.random.default_rng(seed), train_pool, exp.train_docs, exp)
         cfg = run_config(exp, corpus, seed)
         wd = os.path.join(args.workdir, f"model_seed{seed}")
-        summary, _, _ = train_run(cfg, wd, init=lambda: initial_params(cfg, exp, tok, seed))
+        summary, _, _ = train_run(cfg, wd, init=lambda: initial_params(cfg, exp, tok, seed), init_key=INIT_KEY)
         p = restore_model_params(wd, cfg.model)[0]
         params = int(summary["params"])
         dev.append(float(summary["eval"]["eval_loss"]) if "eval" in summary else float(summary["eval_loss"]))

@@ -49,8 +49,9 @@ class ByteTokenizer:
     first_extra = 0xE000  # U+E000: the start of the Basic Multilingual Plane's private-use area
 
     def __init__(self, extra_ids: int = 0):
-        if not 0 <= int(extra_ids) <= 6400:  # the private-use area U+E000..U+F8FF
-            raise ValueError(f"config.data.tokenizer.extra_ids={extra_ids}: expected 0 ... 6400")
+        if isinstance(extra_ids, bool) or int(extra_ids) != extra_ids or not 0 <= extra_ids <= 6400:
+            raise ValueError(f"config.data.tokenizer.extra_ids={extra_ids!r}: expected an integer 0 ... 6400 "
+                             "(the private-use area U+E000 ... U+F8FF)")
         self.extra_ids = int(extra_ids)
         self.vocab_size = 256 + self.offset + self.extra_ids
 
@@ -243,6 +244,9 @@ def build_tokenizer(tok_cfg: Any) -> ByteTokenizer | SentencePieceTokenizer:
     if kind == "byte":
         return ByteTokenizer(getattr(tok_cfg, "extra_ids", 0))
     if kind == "sentencepiece":
+        if getattr(tok_cfg, "extra_ids", 0):
+            raise ValueError("config.data.tokenizer.extra_ids is for the byte tokenizer only; set it to 0 "
+                             "with type='sentencepiece' (add symbols when training the SentencePiece model)")
         return SentencePieceTokenizer(getattr(tok_cfg, "model_path", ""))
     raise ValueError(
             f"config.data.tokenizer.type={kind!r} is unknown; choose 'byte' or 'sentencepiece'.")

@@ -107,7 +107,8 @@ class KVCache(nn.Module):
     matmuls over the cache as it lies in memory. (With [B, S, G, K] the compiled decode loop
     transposed both caches of every layer at every step; with head-major keys it still transposed
     the whole key cache to [B, G, K, S] at every step, seen in the compiled HLO.) Callers get
-    [B, S, G, K] views, which XLA folds into the dots."""
+    [B, S, G, K] views, which XLA folds into the einsum path's dots; this layout was measured on
+    that path only (``attention_impl`` "xla" / "cudnn" may copy the key view per step)."""
 
     @nn.compact
     def __call__(self, k_BTGK, v_BTGK, positions_BT, segment_ids_BT):

@@ -53,8 +53,11 @@ def test_byte_tokenizer_extra_ids():
     assert build_tokenizer(cfg).encode(tok.extra_symbol(3)) == [262]
     with pytest.raises(ValueError, match="extra symbol 5"):
         tok.extra_symbol(5)
-    with pytest.raises(ValueError, match="extra_ids"):
-        ByteTokenizer(extra_ids=-1)
+    for bad in (-1, 2.5, 6401):
+        with pytest.raises(ValueError, match="extra_ids"):
+            ByteTokenizer(extra_ids=bad)
+    with pytest.raises(ValueError, match="byte tokenizer only"):
+        build_tokenizer(ml_collections.ConfigDict({"type": "sentencepiece", "model_path": "x", "extra_ids": 2}))
 
 
 def test_byte_decode_ignores_specials_and_invalid_utf8():

@@ -8,7 +8,7 @@ import numpy as np
 
 from icml_jax.data.tokenizers import ByteTokenizer
 
-from experiments.morphkv.__main__ import (CLOSE, KEYS, OPEN, PAIR0, PRESETS, QUERY, VALUES, main, make_sequence,
+from experiments.morphkv.__main__ import (CLOSE, KEYS, OPEN, PRESETS, QUERY, VALUES, main, make_sequence,
                                          policies)
 
 POOL = "the quick brown fox jumps over the lazy dog.\n" * 400
@@ -19,7 +19,7 @@ def test_sequences_answer_from_the_block():
     for repeat, gap in ((False, (5, 12)), (True, (5, 12)), (True, (0, 0))):
         text, blen, answers = make_sequence(rng, POOL, 300, 8, gap, repeat=repeat, keys=10, values=5)
         assert len(text) == 300 and text[0] == OPEN and text[blen - 1] == CLOSE and blen == 10
-        codes = [ord(ch) - PAIR0 for ch in text[1:blen - 1]]  # one token per pair: key * values + value
+        codes = [ord(ch) - ByteTokenizer.first_extra for ch in text[1:blen - 1]]  # one token per pair: key * values + value
         assert all(0 <= c < 50 for c in codes)
         table = {KEYS[c // 5]: VALUES[c % 5] for c in codes}
         assert len(table) == 8
@@ -38,6 +38,20 @@ def test_sequences_answer_from_the_block():
             assert len(keys) > 8 and set(keys) == set(table)
         else:  # every key at most once: the answer is only in the block
             assert len(keys) == len(set(keys)) == 8
+
+
+def test_pair_embeddings_start_as_key_plus_value():
+    from icml_jax.config_utils import load_config
+    from experiments.morphkv.__main__ import initial_params, pair_symbol
+    exp = PRESETS["tiny"]
+    cfg = load_config("configs/lm.py:tiny", unlocked=True)
+    tok = ByteTokenizer(exp.num_keys * exp.num_values)
+    emb = np.asarray(initial_params(cfg, exp, tok, 0)["io"]["embedding"])
+    for k in range(exp.num_keys):
+        for v in range(exp.num_values):
+            pid = tok.encode(pair_symbol(k, v, exp.num_values))[0]
+            assert pid == 259 + k * exp.num_values + v
+            np.testing.assert_array_equal(emb[pid], emb[tok.encode(KEYS[k])[0]] + emb[tok.encode(VALUES[v])[0]])
 
 
 def test_morphkv_tiny_outputs(tmp_path, monkeypatch):
