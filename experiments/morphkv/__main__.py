@@ -45,16 +45,18 @@ PRESETS = {
         train=dict(train=dict(steps=12, batch_size=4, warmup_steps=2, log_every=6, eval_every=12, eval_batches=1,
                               checkpoint_every=12)),
         seq_len=96, pairs=6, num_keys=8, num_values=4, gap=(8, 16), pure=0.5, train_docs=64, eval_docs=4, seeds=(0,),
-        budgets=(24,), window=8, window_ablation=(4,), ablation_budget=24, sinks=4, gate=0.9),
+        budgets=(24,), window=8, window_ablation=(4,), ablation_budget=24, sinks=4, gate=0.9,
+        topic_text=(6, 12), topic_first=(2, 4), topic_gap=(3, 6), topic_queries=3, topic_prompt=4),
     "default": preset(
         model=dict(model=dict(d_model=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, ffn_dim=384)),
         train=dict(train=dict(steps=1000, batch_size=16, lr=3e-3, warmup_steps=100, log_every=100, eval_every=500,
                               eval_batches=4, checkpoint_every=500)),
         seq_len=256, pairs=16, num_keys=16, num_values=7, gap=(20, 60), pure=2 / 3, train_docs=4000, eval_docs=32,
         seeds=(0, 1, 2), budgets=(24, 32, 64), window=16, window_ablation=(8, 24), ablation_budget=32, sinks=4,
-        gate=0.9),
+        gate=0.9, topic_text=(10, 30), topic_first=(3, 8), topic_gap=(6, 12), topic_queries=3, topic_prompt=8),
 }
-FIELDS = ("seed", "policy", "fuse", "slots", "window", "peak_slots", "kv_bytes", "recall", "answers",
+FIELDS = ("testbed", "seed", "policy", "fuse", "slots", "window", "peak_slots", "kv_bytes", "recall", "recall_first",
+          "answers",
           "nll_gap", "nll", "tokens_per_s")
 
 
@@ -128,7 +130,8 @@ def write_corpus(path: str, rng, pool: str, docs: int, exp) -> None:
 
 def eval_batch(rng, pool: str, exp, tok):
     """Token ids [B, seq_len] (bos first), the prompt length (the block, the same for every
-    row), the answer mask and the natural-text mask over the targets [B, seq_len - 1]."""
+    row), the query index of each answer (0: every key is asked once; -1: no answer) and the
+    natural-text mask, both over the targets [B, seq_len - 1]."""
     rows, ans, nat = [], [], []
     T = exp.seq_len
     for _ in range(exp.eval_docs):
@@ -136,9 +139,9 @@ def eval_batch(rng, pool: str, exp, tok):
         ids = tok.encode_np(text)
         assert len(ids) == T - 1, "every testbed character is one token"
         rows.append(np.concatenate([[tok.bos_id], ids]))
-        a = np.zeros(T - 1, bool)  # target j is token j + 1 = character j
+        a = np.full(T - 1, -1)  # target j is token j + 1 = character j; every key is asked once
         for idx, _ in answers:
-            a[idx] = True
+            a[idx] = 0
         q = np.zeros(T - 1, bool)
         for idx, _ in answers:  # the query marker and key are not natural text either
             q[idx - 2:idx + 1] = True
@@ -146,6 +149,60 @@ def eval_batch(rng, pool: str, exp, tok):
         ans.append(a)
         nat.append(~q)
     return np.stack(rows), blen + 1, np.stack(ans), np.stack(nat)
+
+
+def topic_sequence(rng, pool: str, length: int, exp):
+    """The "topic" testbed (evaluation only, the same models): no block; the response defines one
+    pair at a time inline (a pair token after ``topic_text`` characters of text), then asks its key
+    ``topic_queries`` times (the first ``topic_first`` characters after the definition, the next
+    ones ``topic_gap`` apart), and never again; keys are distinct. (text, [(answer index, query
+    index within its topic), ...]). A pair stays useful only while its topic lasts, so a cache
+    must keep the current pair and may drop the earlier ones: the situation MorphKV is built for,
+    and the one where H2O's accumulated scores favour stale tokens."""
+    keys = rng.permutation(exp.num_keys)
+    start = int(rng.integers(0, len(pool) - 4 * length))
+    out, answers = [], []
+
+    def text(lo_hi):
+        nonlocal start
+        g = int(rng.integers(lo_hi[0], lo_hi[1] + 1))
+        out.append(pool[start:start + g])
+        start += g
+
+    for k in keys:
+        if sum(map(len, out)) >= length:
+            break
+        v = int(rng.integers(exp.num_values))
+        text(exp.topic_text)
+        out.append(pair_symbol(int(k), v, exp.num_values))
+        for qi in range(exp.topic_queries):
+            text(exp.topic_first if qi == 0 else exp.topic_gap)
+            out.append(QUERY + KEYS[k] + VALUES[v])
+            answers.append((sum(map(len, out)) - 1, qi))
+    joined = "".join(out)
+    if len(joined) < length:  # every key used up: text to the end
+        joined += pool[start:start + length - len(joined)]
+    return joined[:length], [(a, q) for a, q in answers if a < length]
+
+
+def topic_batch(rng, pool: str, exp, tok):
+    """``eval_batch``'s outputs for the topic testbed (prompt = bos + ``topic_prompt`` - 1 text
+    characters, all text)."""
+    rows, ans, nat = [], [], []
+    T = exp.seq_len
+    for _ in range(exp.eval_docs):
+        text, answers = topic_sequence(rng, pool, T - 1, exp)
+        ids = tok.encode_np(text)
+        assert len(ids) == T - 1, "every testbed character is one token"
+        rows.append(np.concatenate([[tok.bos_id], ids]))
+        a, q = np.full(T - 1, -1), np.zeros(T - 1, bool)
+        for idx, qi in answers:
+            a[idx] = qi
+            q[idx - 2:idx + 1] = True  # query marker, key, value
+        q |= ids >= tok.vocab_size - tok.extra_ids  # the pair tokens
+        ans.append(a)
+        nat.append(~q)
+    return np.stack(rows), exp.topic_prompt, np.stack(ans), np.stack(nat)
 
 
 def corpus_key(exp) -> str:
@@ -193,9 +250,14 @@ def policies(exp):
     return out
 
 
-def evaluate(exp, model_cfg, params, batch, seed):
+def evaluate(exp, model_cfg, params, batch, seed, testbed: str = "block"):
+    """Rows of every policy on one batch. ``recall``: the block testbed's answers, or the topic
+    testbed's answers after a topic's first query (the pair has to survive the topic); and
+    ``recall_first``: the answers of first queries."""
     from icml_jax.inference.decode import scored_decode
-    toks, P, ans, nat = batch
+    toks, P, qidx, nat = batch
+    ans = qidx >= (1 if testbed == "topic" else 0)
+    first = qidx == 0
     T = toks.shape[1]
     m = model_cfg
     bytes_per_slot = 2 * m.num_layers * m.num_kv_heads * m.head_dim * 4  # K and V, float32
@@ -210,10 +272,11 @@ def evaluate(exp, model_cfg, params, batch, seed):
         if pol.name == "full":
             full_nll = nll
         peak = T if pol.name in ("full", "snapkv") else pol.slots
-        rows.append(dict(seed=seed, policy=pol.name, fuse=pol.fuse if pol.name == "morphkv" else "",
+        hit = top == toks[:, 1:]
+        rows.append(dict(testbed=testbed, seed=seed, policy=pol.name, fuse=pol.fuse if pol.name == "morphkv" else "",
                          slots=pol.slots or T, window=pol.window if pol.name in ("h2o", "snapkv", "morphkv") else 0,
                          peak_slots=peak, kv_bytes=peak * bytes_per_slot,
-                         recall=float((top[ans] == toks[:, 1:][ans]).mean()), answers=int(ans.sum()),
+                         recall=float(hit[ans].mean()), recall_first=float(hit[first].mean()), answers=int(ans.sum()),
                          nll_gap=float((nll - full_nll).mean()), nll=float(nll.mean()),
                          tokens_per_s=toks.shape[0] * (T - P) / wall))
     return rows
@@ -225,35 +288,52 @@ def label(r):
     return r["policy"] + (f"-{r['fuse']}" if r["fuse"] else "")
 
 
-def grouped(rows, window):
-    """{(label, slots): [rows over seeds]} of the main grid (the common window)."""
+def grouped(rows, window, testbed="block"):
+    """{(label, slots): [rows over seeds]} of one testbed's main grid (the common window)."""
     out = {}
     for r in rows:
-        if r["policy"] in ("h2o", "snapkv", "morphkv") and r["window"] != window:
+        if r["testbed"] != testbed or (r["policy"] in ("h2o", "snapkv", "morphkv") and r["window"] != window):
             continue
         out.setdefault((label(r), r["slots"]), []).append(r)
     return out
 
 
-def markdown(exp, meta, rows, gates):
-    g = grouped(rows, exp.window)
-    order = ["full", "streaming", "h2o", "snapkv", "morphkv-sum", "morphkv-max"]
+ORDER = ["full", "streaming", "h2o", "snapkv", "morphkv-sum", "morphkv-max"]
+
+
+def policy_table(g, fields):
+    """Markdown rows (label, slots, peak, KiB, then mean ± se of each field, tokens/s) of a grid."""
     table = []
     for (lab, slots), rs in sorted(g.items(), key=lambda kv: (kv[0][1] if kv[0][0] != "full" else 0,
-                                                               order.index(kv[0][0]))):
-        acc = mean_spread([r["recall"] for r in rs])
-        gap = mean_spread([r["nll_gap"] for r in rs])
+                                                               ORDER.index(kv[0][0]))):
         table.append([lab, "—" if lab == "full" else slots, rs[0]["peak_slots"], f"{rs[0]['kv_bytes'] / 2**10:.0f}",
-                      pm(*acc[:2], nd=3), pm(*gap[:2], nd=3),
+                      *[pm(*mean_spread([r[f] for r in rs])[:2], nd=3) for f in fields],
                       f"{np.mean([r['tokens_per_s'] for r in rs]):,.0f}"])
+    return table
+
+
+def reading(exp, g, what):
+    mean = lambda lab, n: np.mean([r["recall"] for r in g[(lab, n)]])  # noqa: E731
+    best = lambda n: max(mean("morphkv-sum", n), mean("morphkv-max", n))  # noqa: E731
+    beats = [n for n in exp.budgets if best(n) > max(mean("h2o", n), mean("streaming", n))]
+    near = [n for n in exp.budgets if best(n) >= mean("snapkv", n) - 0.05]
+    return (f"Reading ({what}): at equal slots the better MorphKV fusion beats both H2O and StreamingLLM in recall "
+            f"at N = {beats or 'none'} of {list(exp.budgets)}, and comes within 5 points of SnapKV at "
+            f"N = {near or 'none'} while holding N slots instead of SnapKV's {exp.seq_len}.")
+
+
+def markdown(exp, meta, rows, gates):
+    g, gt = grouped(rows, exp.window), grouped(rows, exp.window, "topic")
     abl = []
     for w in sorted({exp.window, *exp.window_ablation}):
         for fuse in ("sum", "max"):
-            rs = [r for r in rows if r["policy"] == "morphkv" and r["fuse"] == fuse and r["window"] == w
-                  and r["slots"] == exp.ablation_budget]
-            if rs:
-                abl.append([w, fuse, pm(*mean_spread([r["recall"] for r in rs])[:2], nd=3),
-                            pm(*mean_spread([r["nll_gap"] for r in rs])[:2], nd=3)])
+            cells = []
+            for tb in ("block", "topic"):
+                rs = [r for r in rows if r["testbed"] == tb and r["policy"] == "morphkv" and r["fuse"] == fuse
+                      and r["window"] == w and r["slots"] == exp.ablation_budget]
+                cells.append(pm(*mean_spread([r["recall"] for r in rs])[:2], nd=3) if rs else "—")
+            abl.append([w, fuse, *cells])
+    heads = ["policy", "slots N", "peak KV slots", "KV KiB / sequence"]
     lines = [
         "# MorphKV: associative recall over a long response with constant-size KV caches", "",
         f"`python -m experiments.morphkv --preset={meta['preset']}` · commit {meta['commit']} · "
@@ -263,31 +343,38 @@ def markdown(exp, meta, rows, gates):
         f"{exp.seq_len}-token sequences: a block of {exp.pairs} key/value pairs (one token each: {exp.num_keys} keys × "
         f"{exp.num_values} values), then Shakespeare (byte tokens) with a query every {exp.gap[0]}–{exp.gap[1]} "
         f"characters (each key once); {exp.pure:.0%} of the training sequences are queries only. Dev loss per seed: "
-        f"{', '.join(f'{v:.3f}' for v in meta['dev_loss'])}. Evaluation: {exp.eval_docs} held-out sequences per seed "
-        f"(held-out works as text), teacher-forced through the cached decode step; prompt = the block "
-        f"({meta['prompt_len']} tokens), response = the remaining {exp.seq_len - meta['prompt_len']} tokens. "
+        f"{', '.join(f'{v:.3f}' for v in meta['dev_loss'])}. Two evaluations of the same models, {exp.eval_docs} "
+        "held-out sequences each per seed (held-out works as text), teacher-forced through the cached decode step. "
         f"Window W = {exp.window} (H2O, SnapKV's observation window, MorphKV), StreamingLLM sinks = {exp.sinks}. "
         f"Seeds {list(exp.seeds)}; ± = standard error over seeds.", "",
-        *gate_lines(gates, "A gate failed: the model does not recall reliably even with the full cache, so the "
-                           "policy comparison below cannot show the paper's effect; read it as a record of this "
+        *gate_lines(gates, "A gate failed: the model does not recall reliably even with the full cache, so that "
+                           "testbed's policy comparison cannot show the paper's effect; read it as a record of this "
                            "run only."),
-        markdown_table(["policy", "slots N", "peak KV slots", "KV KiB / sequence", "recall ± se",
-                        "NLL gap to full (nats/token) ± se", "decode tokens/s"], table), "",
-        f"Recall = argmax accuracy at the answer positions (chance 1/{exp.num_values}); NLL gap = mean per-token NLL on the "
-        "response's natural-text tokens minus the full cache's (same tokens). Peak KV slots are per layer and KV "
+        f"## Block testbed: every pair in the prompt, each key asked once", "",
+        f"Prompt = the block ({meta['prompt_len']} tokens), response = the remaining "
+        f"{exp.seq_len - meta['prompt_len']} tokens.", "",
+        markdown_table(heads + ["recall ± se", "NLL gap to full (nats/token) ± se", "decode tokens/s"],
+                       policy_table(g, ("recall", "nll_gap"))), "",
+        reading(exp, g, "block"), "",
+        "## Topic testbed: pairs defined inline, one topic at a time", "",
+        f"No block: the response defines a pair (after {exp.topic_text[0]}–{exp.topic_text[1]} characters of text), "
+        f"asks its key {exp.topic_queries} times (the first {exp.topic_first[0]}–{exp.topic_first[1]} characters "
+        f"after the definition, then every {exp.topic_gap[0]}–{exp.topic_gap[1]}) and never again; then the next "
+        f"topic. Prompt = bos + {exp.topic_prompt - 1} characters of text. Recall is over the answers after each "
+        "topic's first query (its pair must survive in the cache while the topic lasts); the first queries' recall "
+        "is the next column (their pair is at most a few tokens old).", "",
+        markdown_table(heads + ["recall (later queries) ± se", "recall (first query) ± se",
+                                "NLL gap to full ± se", "decode tokens/s"],
+                       policy_table(gt, ("recall", "recall_first", "nll_gap"))), "",
+        reading(exp, gt, "topic"), "",
+        f"Recall = argmax accuracy at the answer positions (chance 1/{exp.num_values}); NLL gap = mean per-token NLL on "
+        "the response's natural-text tokens minus the full cache's (same tokens). Peak KV slots are per layer and KV "
         "head; KV bytes = peak slots × 2 (K, V) × layers × KV heads × head_dim × 4 (float32). SnapKV compresses only "
         "the prompt, which fits its budget here, so its cache grows with the response like the full one. Decode "
         "tokens/s: a warm second call of the jitted teacher-forced loop on this CPU, batch "
         f"{exp.eval_docs} (the policies' bookkeeping, not memory, dominates at this size).", "",
-        f"MorphKV window ablation at N = {exp.ablation_budget}:", "",
-        markdown_table(["W", "fuse", "recall ± se", "NLL gap ± se"], abl), ""]
-    mean = lambda lab, n, f="recall": np.mean([r[f] for r in g[(lab, n)]])  # noqa: E731
-    beats = [n for n in exp.budgets
-             if max(mean("morphkv-sum", n), mean("morphkv-max", n)) > max(mean("h2o", n), mean("streaming", n))]
-    near = [n for n in exp.budgets if max(mean("morphkv-sum", n), mean("morphkv-max", n)) >= mean("snapkv", n) - 0.05]
-    lines += [f"Reading: at equal slots the better MorphKV fusion beats both H2O and StreamingLLM in recall at "
-              f"N = {beats or 'none'} of {list(exp.budgets)}, and comes within 5 points of SnapKV at "
-              f"N = {near or 'none'} while holding N slots instead of SnapKV's {exp.seq_len}.", ""]
+        f"MorphKV window ablation at N = {exp.ablation_budget} (recall ± se):", "",
+        markdown_table(["W", "fuse", "block", "topic (later queries)"], abl), ""]
     return "\n".join(lines)
 
 
@@ -295,21 +382,19 @@ def plot(exp, rows, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    g = grouped(rows, exp.window)
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    for lab in ("streaming", "h2o", "snapkv", "morphkv-sum", "morphkv-max"):
-        ns = sorted(n for (lb, n) in g if lb == lab)
-        for ax, field in zip(axes, ("recall", "nll_gap")):
-            xs = [g[(lab, n)][0]["peak_slots"] for n in ns]
-            ys = [np.mean([r[field] for r in g[(lab, n)]]) for n in ns]
-            ax.plot(xs, ys, "o-", label=lab)
-    full = g[("full", exp.seq_len)]
-    for ax, field in zip(axes, ("recall", "nll_gap")):
-        ax.axhline(np.mean([r[field] for r in full]), color="k", ls="--", lw=1, label="full cache")
+    panels = [("block", "recall", "recall, block testbed"), ("topic", "recall", "recall, topic testbed (later queries)"),
+              ("block", "nll_gap", "NLL gap to full, block (nats/token)")]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+    for ax, (tb, field, title) in zip(axes, panels):
+        g = grouped(rows, exp.window, tb)
+        for lab in ("streaming", "h2o", "snapkv", "morphkv-sum", "morphkv-max"):
+            ns = sorted(n for (lb, n) in g if lb == lab)
+            ax.plot([g[(lab, n)][0]["peak_slots"] for n in ns], [np.mean([r[field] for r in g[(lab, n)]]) for n in ns],
+                    "o-", label=lab)
+        ax.axhline(np.mean([r[field] for r in g[("full", exp.seq_len)]]), color="k", ls="--", lw=1, label="full cache")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("peak KV slots per layer and head")
-    axes[0].set_ylabel("recall (value accuracy)")
-    axes[1].set_ylabel("NLL gap to full (nats/token)")
+        ax.set_title(title, fontsize=9)
     axes[0].legend(fontsize=8)
     fig.tight_layout()
     save_figure(fig, path)
@@ -334,6 +419,9 @@ def main(argv=None):
     if exp.num_keys > len(KEYS) or exp.num_values > len(VALUES) or exp.pairs > exp.num_keys:
         raise SystemExit(f"morphkv: need pairs <= num_keys <= {len(KEYS)} and num_values <= {len(VALUES)} "
                          f"(got pairs={exp.pairs}, num_keys={exp.num_keys}, num_values={exp.num_values})")
+    if not 1 <= exp.topic_prompt <= exp.topic_text[0] + 1:
+        raise SystemExit(f"morphkv: topic_prompt={exp.topic_prompt} must be 1 ... topic_text[0] + 1 = "
+                         f"{exp.topic_text[0] + 1} (the prompt is bos + text only)")
     policies(exp)  # every policy's settings are checked before any training
     tok = ByteTokenizer(exp.num_keys * exp.num_values)
     train_pool, eval_pool = text_pool("train"), text_pool("validation")
@@ -350,9 +438,13 @@ def main(argv=None):
         dev.append(float(summary["eval"]["eval_loss"]) if "eval" in summary else float(summary["eval_loss"]))
         batch = eval_batch(np.random.default_rng(1000 + seed), eval_pool, exp, tok)
         rows += evaluate(exp, cfg.model, p, batch, seed)
-    full = [r["recall"] for r in rows if r["policy"] == "full"]
-    gates = {f"full-cache recall >= {exp.gate:.0%} on every seed ({', '.join(f'{a:.1%}' for a in full)})":
-             min(full) >= exp.gate}
+        rows += evaluate(exp, cfg.model, p, topic_batch(np.random.default_rng(2000 + seed), eval_pool, exp, tok), seed,
+                         "topic")
+    gates = {}
+    for tb in ("block", "topic"):
+        full = [r["recall"] for r in rows if r["policy"] == "full" and r["testbed"] == tb]
+        gates[f"{tb} testbed: full-cache recall >= {exp.gate:.0%} on every seed "
+              f"({', '.join(f'{a:.1%}' for a in full)})"] = min(full) >= exp.gate
     meta = dict(preset=args.preset, commit=git_commit(), minutes=elapsed() / 60, params=params, dev_loss=dev,
                 prompt_len=int(batch[1]))
     write_csv(os.path.join(args.workdir, "results.csv"), rows, FIELDS)

@@ -172,8 +172,11 @@ def prefill_scores(policy: KVPolicy, slots: int, pos_P, valid_P, logits_PP=None,
         score = jnp.where(last_w, jnp.inf, acc)
     else:  # morphkv: the W queries before the last token score the positions older than them
         W = policy.window
-        rows = logits_PP[..., P - 1 - W:P - 1, :]  # [..., W, P]
-        score = jnp.where(last_w, jnp.inf, _fused_old_softmax(policy.fuse, rows, valid_P & ~last_w))
+        # [..., W, P]; a prompt of P <= W + 1 tokens has fewer rows (and no old column: all kept)
+        rows = logits_PP[..., max(P - 1 - W, 0):P - 1, :]
+        fused = (_fused_old_softmax(policy.fuse, rows, valid_P & ~last_w) if rows.shape[-2]
+                 else jnp.zeros(rows.shape[:-2] + rows.shape[-1:], rows.dtype))
+        score = jnp.where(last_w, jnp.inf, fused)
     score = jnp.where(n <= slots, jnp.inf, score)  # everything fits: keep every real token
     return jnp.where(valid_P, score, NEG_INF)
 

@@ -9,7 +9,7 @@ import numpy as np
 from icml_jax.data.tokenizers import ByteTokenizer
 
 from experiments.morphkv.__main__ import (CLOSE, KEYS, OPEN, PRESETS, QUERY, VALUES, main, make_sequence,
-                                         policies)
+                                         policies, topic_batch, topic_sequence)
 
 POOL = "the quick brown fox jumps over the lazy dog.\n" * 400
 
@@ -40,6 +40,28 @@ def test_sequences_answer_from_the_block():
             assert len(keys) == len(set(keys)) == 8
 
 
+def test_topic_sequences_define_each_pair_before_its_queries():
+    exp = PRESETS["default"]
+    rng = np.random.default_rng(1)
+    for _ in range(5):
+        text, answers = topic_sequence(rng, POOL, 255, exp)
+        assert len(text) == 255 and answers and {q for _, q in answers} == {0, 1, 2}
+        pairs = [(i, ord(ch) - ByteTokenizer.first_extra) for i, ch in enumerate(text)
+                 if ord(ch) >= ByteTokenizer.first_extra]
+        assert len({c // exp.num_values for _, c in pairs}) == len(pairs)  # distinct keys
+        for idx, qi in answers:
+            assert text[idx - 2] == QUERY
+            i, c = max(p for p in pairs if p[0] < idx)  # the latest definition before the query
+            assert text[idx - 1] == KEYS[c // exp.num_values] and text[idx] == VALUES[c % exp.num_values]
+            lo, hi = exp.topic_first if qi == 0 else exp.topic_gap
+            gap = idx - 2 - (i + 1) if qi == 0 else idx - 2 - (prev + 1)
+            assert lo <= gap <= hi
+            prev = idx
+    toks, P, qidx, nat = topic_batch(rng, POOL, exp, ByteTokenizer(exp.num_keys * exp.num_values))
+    assert toks.shape == (exp.eval_docs, exp.seq_len) and P == exp.topic_prompt
+    assert not nat[qidx >= 0].any() and not nat[:, :][toks[:, 1:] >= 259].any() and nat.mean() > 0.5
+
+
 def test_pair_embeddings_start_as_key_plus_value():
     from icml_jax.config_utils import load_config
     from experiments.morphkv.__main__ import initial_params, pair_symbol
@@ -62,7 +84,8 @@ def test_morphkv_tiny_outputs(tmp_path, monkeypatch):
     for name in ("results.csv", "results.md", "recall.png", "config.json"):
         assert os.path.getsize(os.path.join(wd, name)) > 0, name
     rows = list(csv.DictReader(open(os.path.join(wd, "results.csv"))))
-    assert len(rows) == len(policies(exp)) * len(exp.seeds)
+    assert len(rows) == 2 * len(policies(exp)) * len(exp.seeds)
+    assert {r["testbed"] for r in rows} == {"block", "topic"}
     for r in rows:
         slots, peak = int(r["slots"]), int(r["peak_slots"])
         assert peak == (exp.seq_len if r["policy"] in ("full", "snapkv") else slots)
@@ -73,6 +96,6 @@ def test_morphkv_tiny_outputs(tmp_path, monkeypatch):
             assert abs(float(r["nll_gap"])) < 1e-4
     assert any(abs(float(r["nll_gap"])) > 1e-4 for r in rows if r["policy"] == "streaming")
     cfg = json.load(open(os.path.join(wd, "config.json")))
-    assert len(cfg["gates"]) == 1
+    assert len(cfg["gates"]) == 2
     md = open(os.path.join(wd, "results.md")).read()
-    assert "Gates:" in md and "| morphkv-max |" in md and "window ablation" in md
+    assert "Gates:" in md and "| morphkv-max |" in md and "window ablation" in md and "## Topic testbed" in md

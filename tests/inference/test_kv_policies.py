@@ -149,6 +149,13 @@ def test_prefill_keep_matches_numpy_rules():
         want = np.sort(np.argsort(-score, kind="stable")[:N])
         np.testing.assert_array_equal(kp.prefill_keep(pol, N, logits_PP=jnp.asarray(z, jnp.float32)), want)
         assert set(range(P - 1 - W, P)) <= set(want.tolist())
+    # a prompt no longer than the window + 1 (1, W and W + 1 tokens) is kept whole, for both fusions
+    for fuse in ("sum", "max"):
+        for n in (1, W, W + 1):
+            idx, chosen = kp.prefill_select(kp.KVPolicy("morphkv", window=W, fuse=fuse), N, jnp.arange(n),
+                                            jnp.ones(n, bool), logits_PP=jnp.asarray(z[:n, :n], jnp.float32))
+            np.testing.assert_array_equal(idx, np.arange(n))
+            assert bool(chosen.all())
     # streaming: sinks and the latest
     got = kp.prefill_keep(kp.KVPolicy("streaming", sinks=4), N, logits_PP=jnp.asarray(z))
     np.testing.assert_array_equal(got, list(range(4)) + list(range(P - (N - 4), P)))
