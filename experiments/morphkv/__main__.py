@@ -21,7 +21,10 @@ decoded one token at a time with the policy's evictions. Measured per policy and
 value accuracy (argmax at the answer position), the NLL gap to the full cache on the natural-text
 tokens of the response, peak KV slots (full and SnapKV: the whole sequence, since SnapKV only
 compresses the prompt), KV bytes per sequence at that peak, and decode tokens/s (a second, warm
-call). The analysis is gated on the full cache's recall (>= ``gate`` on every seed).
+call). The same models are also evaluated on a "topic" testbed (``topic_sequence``): no block,
+pairs defined inline one topic at a time, each asked a few times and never again; its recall is
+over the answers after a topic's first query. Each testbed's analysis is gated on the full
+cache's recall (>= ``gate`` on every seed).
 Outputs: DIR/results.csv, DIR/results.md, DIR/recall.png, DIR/config.json.
 """
 import json
