@@ -180,6 +180,8 @@ def topic_sequence(rng, pool: str, length: int, exp):
         out.append(pair_symbol(int(k), v, exp.num_values))
         for qi in range(exp.topic_queries):
             text(exp.topic_first if qi == 0 else exp.topic_gap)
+            if sum(map(len, out)) + 3 > length:  # no query cut in two by the end of the sequence
+                break
             out.append(QUERY + KEYS[k] + VALUES[v])
             answers.append((sum(map(len, out)) - 1, qi))
     joined = "".join(out)
@@ -190,7 +192,7 @@ def topic_sequence(rng, pool: str, length: int, exp):
 
 def topic_batch(rng, pool: str, exp, tok):
     """``eval_batch``'s outputs for the topic testbed (prompt = bos + ``topic_prompt`` - 1 text
-    characters, all text)."""
+    characters, all text; like the block's, the prompt's targets are not scored as natural text)."""
     rows, ans, nat = [], [], []
     T = exp.seq_len
     for _ in range(exp.eval_docs):
@@ -203,6 +205,7 @@ def topic_batch(rng, pool: str, exp, tok):
             a[idx] = qi
             q[idx - 2:idx + 1] = True  # query marker, key, value
         q |= ids >= tok.vocab_size - tok.extra_ids  # the pair tokens
+        q[:exp.topic_prompt - 1] = True  # the prompt's targets: the response starts after it
         ans.append(a)
         nat.append(~q)
     return np.stack(rows), exp.topic_prompt, np.stack(ans), np.stack(nat)
@@ -422,6 +425,9 @@ def main(argv=None):
     if exp.num_keys > len(KEYS) or exp.num_values > len(VALUES) or exp.pairs > exp.num_keys:
         raise SystemExit(f"morphkv: need pairs <= num_keys <= {len(KEYS)} and num_values <= {len(VALUES)} "
                          f"(got pairs={exp.pairs}, num_keys={exp.num_keys}, num_values={exp.num_values})")
+    if exp.topic_queries < 2:
+        raise SystemExit(f"morphkv: topic_queries={exp.topic_queries}: need >= 2 (recall is scored on the "
+                         "queries after a topic's first)")
     if not 1 <= exp.topic_prompt <= exp.topic_text[0] + 1:
         raise SystemExit(f"morphkv: topic_prompt={exp.topic_prompt} must be 1 ... topic_text[0] + 1 = "
                          f"{exp.topic_text[0] + 1} (the prompt is bos + text only)")

@@ -57,9 +57,14 @@ def test_topic_sequences_define_each_pair_before_its_queries():
             gap = idx - 2 - (i + 1) if qi == 0 else idx - 2 - (prev + 1)
             assert lo <= gap <= hi
             prev = idx
+        n_queries = text.count(QUERY)  # no query is cut by the end: each one has its answer
+        assert n_queries == len(answers)
     toks, P, qidx, nat = topic_batch(rng, POOL, exp, ByteTokenizer(exp.num_keys * exp.num_values))
     assert toks.shape == (exp.eval_docs, exp.seq_len) and P == exp.topic_prompt
-    assert not nat[qidx >= 0].any() and not nat[:, :][toks[:, 1:] >= 259].any() and nat.mean() > 0.5
+    marker = ByteTokenizer().encode(QUERY)[0]
+    assert not nat[qidx >= 0].any() and not nat[toks[:, 1:] >= 259].any() and not nat[:, :P - 1].any()
+    assert not nat[toks[:, 1:] == marker].any() and not nat[:, 1:][toks[:, 1:-1] == marker].any()  # marker, key
+    assert (toks[:, 1:P] < 259).all() and nat.mean() > 0.5  # the prompt is text only
 
 
 def test_pair_embeddings_start_as_key_plus_value():
