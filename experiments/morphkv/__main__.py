@@ -131,6 +131,14 @@ def write_corpus(path: str, rng, pool: str, docs: int, exp) -> None:
     write_atomic(path, "\n".join(lines) + "\n")
 
 
+def _row_ids(tok, text: str, T: int, rows: list) -> np.ndarray:
+    """The T - 1 token ids of a testbed text (one per character); appends bos + them to ``rows``."""
+    ids = tok.encode_np(text)
+    assert len(ids) == T - 1, "every testbed character is one token"
+    rows.append(np.concatenate([[tok.bos_id], ids]))
+    return ids
+
+
 def eval_batch(rng, pool: str, exp, tok):
     """Token ids [B, seq_len] (bos first), the prompt length (the block, the same for every
     row), the query index of each answer (0: every key is asked once; -1: no answer) and the
@@ -139,9 +147,7 @@ def eval_batch(rng, pool: str, exp, tok):
     T = exp.seq_len
     for _ in range(exp.eval_docs):
         text, blen, answers = make_sequence(rng, pool, T - 1, exp.pairs, exp.gap, False, exp.num_keys, exp.num_values)
-        ids = tok.encode_np(text)
-        assert len(ids) == T - 1, "every testbed character is one token"
-        rows.append(np.concatenate([[tok.bos_id], ids]))
+        ids = _row_ids(tok, text, T, rows)
         a = np.full(T - 1, -1)  # target j is token j + 1 = character j; every key is asked once
         for idx, _ in answers:
             a[idx] = 0
@@ -164,30 +170,28 @@ def topic_sequence(rng, pool: str, length: int, exp):
     and the one where H2O's accumulated scores favour stale tokens."""
     keys = rng.permutation(exp.num_keys)
     start = int(rng.integers(0, len(pool) - 4 * length))
-    out, answers = [], []
+    out, answers = "", []
 
     def text(lo_hi):
-        nonlocal start
+        nonlocal start, out
         g = int(rng.integers(lo_hi[0], lo_hi[1] + 1))
-        out.append(pool[start:start + g])
+        out += pool[start:start + g]
         start += g
 
     for k in keys:
-        if sum(map(len, out)) >= length:
+        if len(out) >= length:
             break
         v = int(rng.integers(exp.num_values))
         text(exp.topic_text)
-        out.append(pair_symbol(int(k), v, exp.num_values))
+        out += pair_symbol(int(k), v, exp.num_values)
         for qi in range(exp.topic_queries):
             text(exp.topic_first if qi == 0 else exp.topic_gap)
-            if sum(map(len, out)) + 3 > length:  # no query cut in two by the end of the sequence
+            if len(out) + 3 > length:  # no query cut in two by the end of the sequence
                 break
-            out.append(QUERY + KEYS[k] + VALUES[v])
-            answers.append((sum(map(len, out)) - 1, qi))
-    joined = "".join(out)
-    if len(joined) < length:  # every key used up: text to the end
-        joined += pool[start:start + length - len(joined)]
-    return joined[:length], [(a, q) for a, q in answers if a < length]
+            out += QUERY + KEYS[k] + VALUES[v]
+            answers.append((len(out) - 1, qi))
+    out += pool[start:start + max(length - len(out), 0)]  # every key used up: text to the end
+    return out[:length], [(a, q) for a, q in answers if a < length]
 
 
 def topic_batch(rng, pool: str, exp, tok):
@@ -197,9 +201,7 @@ def topic_batch(rng, pool: str, exp, tok):
     T = exp.seq_len
     for _ in range(exp.eval_docs):
         text, answers = topic_sequence(rng, pool, T - 1, exp)
-        ids = tok.encode_np(text)
-        assert len(ids) == T - 1, "every testbed character is one token"
-        rows.append(np.concatenate([[tok.bos_id], ids]))
+        ids = _row_ids(tok, text, T, rows)
         a, q = np.full(T - 1, -1), np.zeros(T - 1, bool)
         for idx, qi in answers:
             a[idx] = qi

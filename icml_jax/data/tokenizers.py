@@ -95,16 +95,13 @@ class ByteTokenizer:
         """Drops specials and out-of-range ids; invalid UTF-8 becomes U+FFFD (never raises)."""
         arr = np.asarray(ids, dtype=np.int64).reshape(-1)
         arr = arr[(arr >= self.offset) & (arr < self.vocab_size)]
+        utf8 = lambda a: (a - self.offset).astype(np.uint8).tobytes().decode("utf-8", errors="replace")  # noqa: E731
         byte_end = 256 + self.offset
-        if not (arr >= byte_end).any():
-            return (arr - self.offset).astype(np.uint8).tobytes().decode("utf-8", errors="replace")
-        out, start = [], 0
+        out, start = [], 0  # byte runs decoded as UTF-8, each extra id as its own character
         for i in np.flatnonzero(arr >= byte_end):
-            out.append((arr[start:i] - self.offset).astype(np.uint8).tobytes().decode("utf-8", errors="replace"))
-            out.append(chr(self.first_extra + int(arr[i]) - byte_end))
+            out += [utf8(arr[start:i]), chr(self.first_extra + int(arr[i]) - byte_end)]
             start = i + 1
-        out.append((arr[start:] - self.offset).astype(np.uint8).tobytes().decode("utf-8", errors="replace"))
-        return "".join(out)
+        return "".join(out) + utf8(arr[start:])
 
     def extra_symbol(self, i: int) -> str:
         """The character that encodes to extra id ``i`` (token id 259 + i)."""
