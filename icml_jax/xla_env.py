@@ -11,15 +11,29 @@ within run-to-run noise: two back-to-back runs of ``benchmarks.train_throughput`
 (2-core AMD EPYC) gave jax's defaults 0.78x and 1.12x the flag's tokens/s on the ``small`` preset
 and 0.97x and 1.08x on ``20m``. (Before this module, ``import icml_jax`` set the flag, so that
 benchmark's "default flags" arm had it too.) Losses are identical.
+
+The decode loops are the exception: their matmuls have as many rows as the batch, where YNNPACK's
+dots beat XLA's matmul, so :func:`decode_jit` compiles them with jax's own YNN list again when the
+flag is ours (:func:`decode_compiler_options`: batch-8 decode of the 20m model 8.0-8.6 -> 6.1
+ms/token).
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import warnings
 
 OPT_OUT_ENV = "ICML_JAX_DEFAULT_XLA_FLAGS"  # =1: leave XLA_FLAGS as the user set it
 CPU_FLAGS = ("--xla_cpu_experimental_ynn_fusion_type=",)
+# the flag names use_default_flags appended to XLA_FLAGS, space-separated (child processes inherit
+# both variables, so they know which flags were ours and not the user's)
+ADDED_ENV = "ICML_JAX_ADDED_XLA_FLAGS"
+YNN_FLAG = "--xla_cpu_experimental_ynn_fusion_type"
+# jax 0.10.2's own YNNPACK fusion list on the CPU (what XLA uses when XLA_FLAGS does not name the
+# flag; read from the compiled HLO: with this list and with no flag the decode loop holds the same
+# 112 YNN fusions, with our empty list none)
+JAX_DEFAULT_YNN_FUSIONS = "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,LIBRARY_FUSION_TYPE_REDUCE"
 
 
 def _backend_started() -> bool:
@@ -47,10 +61,62 @@ def use_default_flags(environ=None) -> bool:
     if not new:
         return False
     environ["XLA_FLAGS"] = " ".join(flags + new)
+    environ[ADDED_ENV] = " ".join(sorted(set(environ.get(ADDED_ENV, "").split())
+                                         | {f.split("=", 1)[0] for f in new}))
     if environ is os.environ and _backend_started():
         warnings.warn("icml_jax.xla_env.use_default_flags() ran after JAX's backend started; "
                       "XLA_FLAGS takes effect in the next process", stacklevel=2)
     return True
+
+
+# ----------------------------------------------------------------------------- decode programs
+
+def decode_compiler_options(environ=None) -> dict | None:
+    """Per-program XLA options for the decode loops (``inference.decode``'s ``generate`` and
+    ``scored_decode``, ``collab.FlaxLM``'s cached step), or None for none.
+
+    Our CPU flag (:data:`CPU_FLAGS`) turns XLA's YNNPACK dots off process-wide for the train step's
+    sake. Decode steps are the opposite case: their matmuls have few rows (the batch), where XLA's
+    own matmul streams the weights at about half the speed of a matrix-vector product, and YNNPACK's
+    dots are faster (``benchmarks.decode_speed``'s 20m model at batch 8: 8.0-8.6 -> 6.1 ms/token on
+    2 idle cores, 15.6-16.3 -> 10.2-11.5 with a third process busy on a core; batch 1 within
+    noise; same tokens). So when the flag in ``XLA_FLAGS`` is the one :func:`use_default_flags`
+    appended (recorded in ``$ICML_JAX_ADDED_XLA_FLAGS``), the decode programs compile with jax's own
+    default list instead (:data:`JAX_DEFAULT_YNN_FUSIONS`). A value the user set is left to rule, and
+    other backends get no options."""
+    environ = os.environ if environ is None else environ
+    if YNN_FLAG not in environ.get(ADDED_ENV, "").split():
+        return None
+    if f"{YNN_FLAG}=" not in environ.get("XLA_FLAGS", "").split():  # XLA_FLAGS changed since
+        return None
+    import jax
+    if jax.default_backend() != "cpu":
+        return None
+    return {YNN_FLAG[2:]: JAX_DEFAULT_YNN_FUSIONS}
+
+
+def decode_jit(fun=None, **jit_kwargs):
+    """``jax.jit(fun, **jit_kwargs)`` compiled with :func:`decode_compiler_options` as they are at
+    call time (one jitted variant per distinct options; usable as a decorator, with or without
+    keyword arguments). ``_cache_size()`` counts the compiled programs of every variant and
+    ``__wrapped__`` is ``fun``, as for a plain ``jax.jit``."""
+    if fun is None:
+        return functools.partial(decode_jit, **jit_kwargs)
+    import jax
+    variants: dict = {}
+
+    @functools.wraps(fun)
+    def call(*args, **kwargs):
+        opts = decode_compiler_options()
+        key = tuple(sorted(opts.items())) if opts else ()
+        jitted = variants.get(key)
+        if jitted is None:
+            jitted = variants[key] = jax.jit(fun, compiler_options=opts, **jit_kwargs)
+        return jitted(*args, **kwargs)
+
+    call._cache_size = lambda: sum(j._cache_size() for j in variants.values())
+    call.variants = variants
+    return call
 
 
 # ----------------------------------------------------------------------------- compilation cache

@@ -10,7 +10,7 @@ import os
 from icml_jax.config_utils import REPO_ROOT
 
 PACKAGE = os.path.join(REPO_ROOT, "icml_jax")
-BASE = {"registry", "config_utils", "sharding", "atomic"}
+BASE = {"registry", "config_utils", "sharding", "atomic", "xla_env"}
 # layer -> the layers it may import (besides itself and BASE)
 ALLOWED = {
     "losses": set(),

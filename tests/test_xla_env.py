@@ -20,6 +20,66 @@ def test_use_default_flags_appends_keeps_and_opts_out():
     assert not xla_env.use_default_flags(off) and "XLA_FLAGS" not in off
     empty = {}
     assert xla_env.use_default_flags(empty) and empty["XLA_FLAGS"] == " ".join(xla_env.CPU_FLAGS)
+    # what it appended is recorded (for decode_compiler_options, in this process and its children)
+    assert empty[xla_env.ADDED_ENV] == xla_env.YNN_FLAG and env[xla_env.ADDED_ENV] == xla_env.YNN_FLAG
+    assert xla_env.ADDED_ENV not in mine and xla_env.ADDED_ENV not in off
+
+
+def test_decode_programs_get_jax_default_ynn_dots_only_when_the_flag_is_ours():
+    ours = {}
+    xla_env.use_default_flags(ours)
+    assert xla_env.decode_compiler_options(ours) == {
+        "xla_cpu_experimental_ynn_fusion_type": xla_env.JAX_DEFAULT_YNN_FUSIONS}
+    assert xla_env.decode_compiler_options({}) is None  # no flag: jax's defaults already
+    mine = {"XLA_FLAGS": f"{xla_env.YNN_FLAG}="}  # the user turned YNN off: it stays off
+    assert not xla_env.use_default_flags(mine) and xla_env.decode_compiler_options(mine) is None
+    later = dict(ours, XLA_FLAGS=f"{xla_env.YNN_FLAG}=LIBRARY_FUSION_TYPE_DOT")  # changed afterwards
+    assert xla_env.decode_compiler_options(later) is None
+    assert xla_env.decode_compiler_options({xla_env.OPT_OUT_ENV: "1"}) is None
+
+
+def _ynn_fusions(jitted, *args):
+    return jitted.lower(*args).compile().as_text().count("__ynn_fusion")
+
+
+def test_decode_jit_compiles_with_the_options(monkeypatch):
+    """The test process runs with the entry points' flags (tests/jax_env.py), so a decode_jit
+    program gets YNN fusions and a plain one none; both give the same values."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    assert f"{xla_env.YNN_FLAG}=" in os.environ["XLA_FLAGS"].split()
+    fn = lambda x, w: jnp.tanh(x @ w).sum(-1)  # a dot and a reduce
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(8, 64)), jnp.float32)
+    w = jnp.asarray(np.random.default_rng(1).normal(size=(64, 96)), jnp.float32)
+    f = xla_env.decode_jit(fn)
+    fast = f(x, w)
+    key = ((xla_env.YNN_FLAG[2:], xla_env.JAX_DEFAULT_YNN_FUSIONS),)
+    assert list(f.variants) == [key] and f._cache_size() == 1 and f.__wrapped__ is fn
+    assert _ynn_fusions(f.variants[key], x, w) > 0
+    monkeypatch.delenv(xla_env.ADDED_ENV)  # as if the user had set the flag
+    plain = f(x, w)
+    assert list(f.variants) == [key, ()] and f._cache_size() == 2
+    assert _ynn_fusions(f.variants[()], x, w) == 0
+    np.testing.assert_allclose(np.asarray(fast), np.asarray(plain), rtol=1e-5, atol=1e-6)
+
+
+def test_jax_default_ynn_list_is_current():
+    """JAX_DEFAULT_YNN_FUSIONS is what this jax does when XLA_FLAGS names no YNN flag (checked in
+    a child without it): the same YNN fusions on a program with a dot and a reduce."""
+    code = ("import jax, jax.numpy as jnp\n"
+            "from icml_jax import xla_env\n"
+            "fn = lambda x, w: jnp.tanh(x @ w).sum(-1)\n"
+            "x, w = jnp.ones((8, 64)), jnp.ones((64, 96))\n"
+            "n = lambda o: jax.jit(fn, compiler_options=o).lower(x, w).compile().as_text().count('__ynn_fusion')\n"
+            "print(n(None), n({xla_env.YNN_FLAG[2:]: xla_env.JAX_DEFAULT_YNN_FUSIONS}))\n")
+    env = dict(os.environ, XLA_FLAGS=" ".join(f for f in os.environ["XLA_FLAGS"].split()
+                                                if not f.startswith(xla_env.YNN_FLAG)))
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    default, ours = map(int, out.stdout.split())
+    assert default == ours > 0
 
 
 def test_importing_the_package_changes_no_environment_variable():

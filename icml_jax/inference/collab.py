@@ -34,6 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from icml_jax.xla_env import decode_jit
+
 
 class CachedLM(Protocol):
     length: int  # tokens consumed so far
@@ -297,7 +299,7 @@ class FlaxLM:
             logits, mut = model.apply({"params": params, "cache": cache}, toks, pos,
                                       jnp.ones_like(toks), mutable=["cache"])
             return logits[0].astype(jnp.float32), mut["cache"]
-        self._step = jax.jit(step)
+        self._step = decode_jit(step)
         self._reset()
 
     def _reset(self):

@@ -32,7 +32,6 @@ lives in the model config, ``config.model.mlp.sparse_capacity``) and changing it
 """
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple, Sequence
 
 import jax
@@ -44,6 +43,7 @@ from icml_jax.models import hooks, sparse_ffn
 from icml_jax.models.decoder import build_model
 from icml_jax.models.layers import layer_order_key
 from icml_jax.models.mlp import is_gated
+from icml_jax.xla_env import decode_jit
 
 NEG_INF = -1e30
 
@@ -128,7 +128,7 @@ def _gather_stats(intermediates) -> dict:
     return {k: jnp.concatenate(v) for k, v in found.items()}
 
 
-@functools.partial(jax.jit, static_argnames=("model", "max_new", "mode", "return_logits", "return_stats"))
+@decode_jit(static_argnames=("model", "max_new", "mode", "return_logits", "return_stats"))
 def _generate(model, params, sparsity, tokens_BP, positions_BP, segments_BP, key, temperature, top_k,
               top_p, stop_tokens, pad_id, edit_args, *, max_new: int, mode: SamplerMode, return_logits: bool,
               return_stats: bool = False):
@@ -201,7 +201,7 @@ def _generate(model, params, sparsity, tokens_BP, positions_BP, segments_BP, key
 
 # ----------------------------------------------------------------------------- teacher-forced scoring
 
-@functools.partial(jax.jit, static_argnames=("model", "prompt_len"))
+@decode_jit(static_argnames=("model", "prompt_len"))
 def _scored(model, params, tokens_BT, edit_args, *, prompt_len: int):
     """(log p(token_i | tokens_<i) [B, T - 1], the argmax token at each of those steps [B, T - 1])."""
     model = hooks.bind_model(model, edit_args)
