@@ -15,8 +15,10 @@ random weights of the same sizes instead (init std x 4): the drafts' acceptance 
 the combination guarantees (``we`` at T = 1: at least 0.7; ``cd`` about 0), which isolates the
 drivers' own cost; ``--tiny`` (random tiny models, the test suite's check) as well.
 
-Every program is compiled and each setting run once before the timed pass (compile time excluded);
-tokens/s = tokens / wall seconds of the timed pass summed over prompts and seeds. The T = 0 rows
+Every program is compiled and each setting run once before the timed passes (compile time excluded);
+tokens/s = tokens / wall seconds of a timed pass summed over prompts and seeds; ``--passes`` (3)
+timed passes, and the report gives the median pass and the range of the speedup (one pass of
+about 1 s per setting moved the CoS speedup by +-10% between back-to-back runs). The T = 0 rows
 also check that the three drivers give identical tokens. Target (issue 20): CoS >= 1.5x standard.
 Results: benchmarks/results/cos_speed.{json,md} (written atomically).
 """
@@ -97,6 +99,22 @@ def summarize(rows):
     return out
 
 
+def merge_passes(passes):
+    """One row per setting from several passes' ``summarize`` rows (same order in each): the
+    median pass's tokens/s and speedup (medians taken separately), the speedups' range over
+    passes, and the counts of the first pass (calls and acceptance are the same in every pass:
+    same seeds)."""
+    out = []
+    for rs in zip(*passes):
+        r = dict(rs[0])
+        r["tokens_per_s"] = float(np.median([x["tokens_per_s"] for x in rs]))
+        sp = [x["speedup_vs_standard"] for x in rs]
+        r.update(speedup_vs_standard=float(np.median(sp)), speedup_range=[float(min(sp)), float(max(sp))],
+                 passes=len(rs))
+        out.append(r)
+    return out
+
+
 def markdown(res):
     lines = [
         "# CoS speed: standard collaborative decoding vs fixed-role speculation vs CoS", "",
@@ -105,17 +123,20 @@ def markdown(res):
         f"Proposer a {res['params']['a']:,} params, b {res['params']['b']:,} params (one-token call "
         f"{res['call_ms']['a']:.2f} ms vs {res['call_ms']['b']:.2f} ms; b's call on {res['gamma'] + 1} tokens "
         f"{res['call_ms']['b_x%d' % (res['gamma'] + 1)]:.2f} ms); {res['prompts']} prompts × "
-        f"{res['new_tokens']} new tokens, gamma = {res['gamma']}, T = 1 over seeds {res['seeds']}; timed pass after a "
-        "warm-up pass (compile excluded).", "",
-        "| combiner | T | method | tokens/s | vs standard | b calls / token | drafts accepted | same tokens as standard |",
-        "|---|---:|---|---:|---:|---:|---:|---|"]
+        f"{res['new_tokens']} new tokens, gamma = {res['gamma']}, T = 1 over seeds {res['seeds']}; {res['passes']} timed "
+        "pass(es) after a warm-up pass (compile excluded), each over every setting, prompt and seed in turn; tokens/s and "
+        "the speedup are the median over passes (the speedup is taken within each pass, so slow and fast spells of "
+        "the machine cancel).", "",
+        "| combiner | T | method | tokens/s | vs standard | range over passes | b calls / token | drafts accepted | same tokens as standard |",
+        "|---|---:|---|---:|---:|---|---:|---:|---|"]
     for r in res["rows"]:
         lines.append(f"| {r['combiner']} | {r['temperature']:g} | {r['method']} | {r['tokens_per_s']:.0f} | "
-                     f"{r['speedup_vs_standard']:.2f}× | {r['b_calls_per_token']:.2f} | "
+                     f"{r['speedup_vs_standard']:.2f}× | {r['speedup_range'][0]:.2f}–{r['speedup_range'][1]:.2f}× | "
+                     f"{r['b_calls_per_token']:.2f} | "
                      f"{'—' if r['acceptance'] is None else format(r['acceptance'], '.0%')} | "
                      f"{'n/a (sampled)' if r['same_as_standard'] is None else r['same_as_standard']} |")
     cos = [r["speedup_vs_standard"] for r in res["rows"] if r["method"] == "cos"]
-    lines += ["", f"CoS vs standard: {min(cos):.2f}× to {max(cos):.2f}× over the four settings "
+    lines += ["", f"CoS vs standard (median pass): {min(cos):.2f}× to {max(cos):.2f}× over the four settings "
               f"(target ≥ 1.5×: met in {sum(c >= 1.5 for c in cos)} of {len(cos)}). One run on this machine; quote ratios, not "
               "absolute tokens/s. On this CPU a call's time grows with the tokens it feeds (compute-bound at "
               "these sizes, unlike a memory-bound accelerator), so speculation saves b's per-call cost but pays "
@@ -128,6 +149,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--new_tokens", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--passes", type=int, default=3,
+                    help="timed passes (each over every setting, prompt and seed); the report gives the median "
+                         "pass and the range")
     ap.add_argument("--trained", default=os.path.join(REPO_ROOT, "experiments", "cos", "results"),
                     help="an experiments/cos workdir (model_a/, model_b/; trained there when missing)")
     ap.add_argument("--random", action="store_true", help="random weights instead of the trained pair")
@@ -158,13 +182,15 @@ def main(argv=None) -> dict:
     call_ms = {w: 1e3 * c for w, c in costs.items()}
     call_ms[f"b_x{args.gamma + 1}"] = 1e3 * call_cost(factories["b"], 20, tokens=args.gamma + 1)
     decode_all(exp, factories, prompts, costs)  # warm-up pass
-    rows = summarize(decode_all(exp, factories, prompts, costs))
+    rows = merge_passes([summarize(decode_all(exp, factories, prompts, costs))
+                         for _ in range(1 if args.tiny else args.passes)])
     res = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), machine=platform.machine(),
                cpus=os.cpu_count(), python=sys.version.split()[0], jax=jax.__version__, loadavg=os.getloadavg(),
                weights=f"trained by experiments/cos ({os.path.relpath(args.trained, REPO_ROOT)})" if trained
                else "random (init std x 4)",
                params={w: int(sum(x.size for x in jax.tree.leaves(p))) for w, (_, p) in models.items()},
                call_ms=call_ms, prompts=args.prompts, new_tokens=args.new_tokens, gamma=args.gamma,
+               passes=rows[0]["passes"],
                seeds=list(seeds), rows=rows)
     write_report(args.out, "cos_speed", res, markdown(res))
     print(markdown(res))

@@ -22,3 +22,16 @@ def test_cos_benchmark_tiny_writes_its_report(tmp_path):
     saved = json.loads((tmp_path / "cos_speed.json").read_text())
     assert saved["rows"] == rows
     assert "| we | 0 | cos |" in (tmp_path / "cos_speed.md").read_text()
+
+
+def test_merge_passes_takes_medians_and_the_range():
+    def row(method, tps, sp):
+        return dict(combiner="cd", temperature=1.0, method=method, tokens=64, tokens_per_s=tps,
+                    speedup_vs_standard=sp, acceptance=0.8)
+    passes = [[row("standard", 100.0, 1.0), row("cos", 150.0, 1.5)],
+              [row("standard", 80.0, 1.0), row("cos", 100.0, 1.25)],
+              [row("standard", 120.0, 1.0), row("cos", 200.0, 5 / 3)]]
+    std, cos = cos_speed.merge_passes(passes)
+    assert (std["tokens_per_s"], std["speedup_vs_standard"], std["speedup_range"]) == (100.0, 1.0, [1.0, 1.0])
+    assert (cos["tokens_per_s"], cos["speedup_vs_standard"], cos["speedup_range"]) == (150.0, 1.5, [1.25, 5 / 3])
+    assert cos["passes"] == 3 and cos["acceptance"] == 0.8 and cos["method"] == "cos"

@@ -102,5 +102,24 @@ def test_morphkv_tiny_outputs(tmp_path, monkeypatch):
     assert any(abs(float(r["nll_gap"])) > 1e-4 for r in rows if r["policy"] == "streaming")
     cfg = json.load(open(os.path.join(wd, "config.json")))
     assert len(cfg["gates"]) == 2
+    for r in rows:  # a half without answers is NaN
+        assert all(np.isnan(float(r[k])) or 0 <= float(r[k]) <= 1 for k in ("recall_early", "recall_late"))
     md = open(os.path.join(wd, "results.md")).read()
     assert "Gates:" in md and "| morphkv-max |" in md and "window ablation" in md and "## Topic testbed" in md
+    assert "## As the response grows" in md and "| block: 1st half |" in md
+    # the halves' reading rests on causal scoring under eviction: the first half of a sequence scores
+    # the same alone as inside the whole one (MorphKV evicting, N < the half's length)
+    from experiments.morphkv.__main__ import eval_batch, run_config, text_pool
+    from icml_jax.inference.decode import scored_decode
+    from icml_jax.models.kv_policies import KVPolicy
+    from icml_jax.train.checkpoint import restore_model_params
+    cfg = run_config(exp, "unused.jsonl", 0)
+    params = restore_model_params(os.path.join(wd, "model_seed0"), cfg.model)[0]
+    toks, P, _, _ = eval_batch(np.random.default_rng(5), text_pool("validation"), exp,
+                               ByteTokenizer(exp.num_keys * exp.num_values))
+    half = P + (toks.shape[1] - P) // 2
+    pol = KVPolicy("morphkv", slots=exp.budgets[0], window=exp.window, fuse="max")
+    assert half > pol.slots
+    whole = scored_decode(cfg.model, params, toks, prompt_len=P, kv_policy=pol)
+    first = scored_decode(cfg.model, params, toks[:, :half], prompt_len=P, kv_policy=pol)
+    np.testing.assert_allclose(whole[:, :half - 1], first, rtol=1e-5, atol=1e-5)
