@@ -410,8 +410,8 @@ def markdown(exp, meta, rows, gates):
         f"The same runs, recall split at the middle of the response: its first half ({(exp.seq_len - meta['prompt_len']) // 2} "
         "tokens after the block's prompt; the topic testbed's halves are of its response likewise) and its second half. "
         "Teacher-forced scoring is causal, so the first half's recall is exactly what a response of half the length "
-        "gets, and the change is what doubling the response costs (the paper: about 10% for MorphKV against 15–18% "
-        "for the baselines when responses grow 4×).", "",
+        "gets; the change (second half minus first, per seed) shows how a policy holds up as the response goes on "
+        "(the paper: MorphKV's score drops about 10% against 15–18% for the baselines when responses grow 4×).", "",
         markdown_table(["policy", "slots N", "block: 1st half", "block: 2nd half", "block: change"],
                        halves_table(g)), "",
         markdown_table(["policy", "slots N", "topic: 1st half", "topic: 2nd half", "topic: change"],
