@@ -48,7 +48,8 @@ def test_decode_jit_compiles_with_the_options(monkeypatch):
     import jax
     import jax.numpy as jnp
     import numpy as np
-    assert f"{xla_env.YNN_FLAG}=" in os.environ["XLA_FLAGS"].split()
+    assert f"{xla_env.YNN_FLAG}=" in os.environ["XLA_FLAGS"].split(), \
+        "tests/jax_env.py sets the entry points' flags (unless ICML_JAX_DEFAULT_XLA_FLAGS=1 opts out)"
     fn = lambda x, w: jnp.tanh(x @ w).sum(-1)  # a dot and a reduce
     x = jnp.asarray(np.random.default_rng(0).normal(size=(8, 64)), jnp.float32)
     w = jnp.asarray(np.random.default_rng(1).normal(size=(64, 96)), jnp.float32)
