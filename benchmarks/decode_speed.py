@@ -142,6 +142,16 @@ def _summary(r: dict, B: int) -> dict:
                 **({"compile_s": r["compile_s"]} if "compile_s" in r else {}))
 
 
+def _median_run(runs: list) -> dict:
+    """One side's child results over rounds: the median of each timing, the first round's tokens
+    (the same in every round: greedy, same weights) and load average."""
+    out = dict(runs[0])
+    for k in ("generate_s", "prefill_s", "compile_s"):
+        if k in out:
+            out[k] = float(np.median([r[k] for r in runs]))
+    return out
+
+
 def _child(args) -> None:
     """One measurement in a fresh process: ``--child=ours|hf`` on the model saved in ``--folder``."""
     import torch
@@ -180,6 +190,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--presets", default="tiny,20m")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="child-process pairs (ours, then transformers) per case; the report takes "
+                         "each side's median over them and gives the speedup's range")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--child", choices=["ours", "hf"], help=argparse.SUPPRESS)
     ap.add_argument("--folder", help=argparse.SUPPRESS)
@@ -206,10 +219,12 @@ def main(argv=None) -> dict:
             n_params = sum(p.numel() for p in hf_model.parameters())
             del hf_model
             for B in (int(b) for b in args.batches.split(",")):
-                ours = _run_child("ours", folder, model_cfg.vocab_size, B, args)
-                hf = _run_child("hf", folder, model_cfg.vocab_size, B, args)
+                runs = [(_run_child("ours", folder, model_cfg.vocab_size, B, args),
+                         _run_child("hf", folder, model_cfg.vocab_size, B, args)) for _ in range(args.rounds)]
+                ours, hf = (_median_run([r[i] for r in runs]) for i in (0, 1))
                 same = float((np.asarray(ours["tokens"]) == np.asarray(hf["tokens"])).mean())
                 o, h = _summary(ours, B), _summary(hf, B)
+                per_round = [_summary(a, B)["tokens_per_s"] / _summary(b, B)["tokens_per_s"] for a, b in runs]
                 # bytes a decode step reads: every weight once, plus the KV cache: ours attends over
                 # its whole allocated cache (P + new slots, masked), transformers over its grown one
                 kv_slot = B * model_cfg.num_layers * 2 * model_cfg.num_kv_heads * model_cfg.head_dim * 4
@@ -218,6 +233,7 @@ def main(argv=None) -> dict:
                     side["gb_per_s"] = side["bytes_per_step"] / (side["per_token_ms"] * 1e-3) / 1e9
                 row = dict(preset=preset, params=n_params, batch=B, ours=o, transformers=h,
                            speedup=o["tokens_per_s"] / h["tokens_per_s"], greedy_tokens_agree=same,
+                           speedup_per_round=per_round,
                            loadavg=dict(ours=ours["loadavg"], transformers=hf["loadavg"]))
                 rows.append(row)
                 print(f"{preset:>5} B={B}: ours {o['tokens_per_s']:8.0f} tok/s (prefill "
@@ -231,12 +247,13 @@ def main(argv=None) -> dict:
                jax=jax.__version__, torch=torch.__version__, transformers=transformers.__version__,
                torch_threads=args.threads, xla_flags=os.environ.get("XLA_FLAGS", ""),
                loadavg=os.getloadavg(), prompt_len=PROMPT_LEN, new_tokens=NEW_TOKENS,
-               repeats=args.repeats)
+               repeats=args.repeats, rounds=args.rounds)
     report = dict(env=env, results=rows, notes=(
         "Greedy, float32, no stop tokens. Same random weights on both sides (HF LlamaForCausalLM "
         "saved with save_pretrained, imported with icml_jax.interop.load_hf). Each measurement runs "
         "in its own child process. Compile time is excluded (warm-up run) and listed separately. "
-        "Medians over repeats. The tiny preset's max_seq_len is raised to 192 to fit 64 + 128."))
+        "Medians over repeats, then over rounds (each round one child process per side). The tiny "
+        "preset's max_seq_len is raised to 192 to fit 64 + 128."))
     os.makedirs(RESULTS_DIR, exist_ok=True)
     write_report(RESULTS_DIR, "decode_speed", report, _markdown(report))
     return report
@@ -254,17 +271,21 @@ def _markdown(report: dict) -> str:
         "",
         f"Greedy decoding of {e['new_tokens']} new tokens after a {e['prompt_len']}-token prompt, "
         f"float32, same random Llama weights on both sides, each side in its own process; median of {e['repeats']} runs after one "
-        "warm-up run (our XLA compile time is excluded from every number and shown on its own).",
+        "warm-up run (our XLA compile time is excluded from every number and shown on its own)"
+        + (f"; {e['rounds']} rounds per case (a fresh child process per side each round, ours then "
+           "transformers), each side's median over them, and the range of the per-round speedup"
+           if e.get("rounds", 1) > 1 else "") + ".",
         "",
-        "| model | params | batch | ours tok/s | HF tok/s | speedup | ours prefill ms | HF prefill ms "
+        "| model | params | batch | ours tok/s | HF tok/s | speedup | speedup per round | ours prefill ms | HF prefill ms "
         "| ours ms/token | HF ms/token | ours GB/s | HF GB/s | ours compile s | greedy tokens agree |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in report["results"]:
         o, h = r["ours"], r["transformers"]
         lines.append(
             f"| {r['preset']} | {r['params'] / 1e6:.2f}M | {r['batch']} | {o['tokens_per_s']:.0f} | "
-            f"{h['tokens_per_s']:.0f} | {r['speedup']:.1f}x | {o['prefill_ms']:.1f} | "
+            f"{h['tokens_per_s']:.0f} | {r['speedup']:.1f}x | "
+            f"{', '.join(f'{x:.1f}x' for x in r.get('speedup_per_round', [r['speedup']]))} | {o['prefill_ms']:.1f} | "
             f"{h['prefill_ms']:.1f} | {o['per_token_ms']:.2f} | {h['per_token_ms']:.2f} | "
             f"{o.get('gb_per_s', float('nan')):.1f} | {h.get('gb_per_s', float('nan')):.1f} | "
             f"{o['compile_s']:.1f} | {r['greedy_tokens_agree']:.0%} |")
