@@ -103,7 +103,9 @@ def merge_passes(passes):
     """One row per setting from several passes' ``summarize`` rows (same order in each): the
     median pass's tokens/s and speedup (medians taken separately), the speedups' range over
     passes, and the counts of the first pass (calls and acceptance are the same in every pass:
-    same seeds)."""
+    same seeds; T = 0's agreement must hold in every pass)."""
+    if not passes:
+        raise ValueError("merge_passes: no passes (--passes must be >= 1)")
     out = []
     for rs in zip(*passes):
         r = dict(rs[0])
@@ -111,6 +113,8 @@ def merge_passes(passes):
         sp = [x["speedup_vs_standard"] for x in rs]
         r.update(speedup_vs_standard=float(np.median(sp)), speedup_range=[float(min(sp)), float(max(sp))],
                  passes=len(rs))
+        if r["same_as_standard"] is not None:  # T = 0: the same tokens in every pass
+            r["same_as_standard"] = all(x["same_as_standard"] for x in rs)
         out.append(r)
     return out
 
@@ -158,6 +162,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--tiny", action="store_true", help="tiny models, few tokens (the test suite's check)")
     ap.add_argument("--out", default=RESULTS_DIR)
     args = ap.parse_args(argv)
+    if args.passes < 1:
+        ap.error(f"--passes={args.passes} must be >= 1")
     xla_env.use_defaults()
     import jax
     from icml_jax.inference import collab

@@ -80,7 +80,7 @@ def bench_ours(model_cfg, params, prompts: np.ndarray, repeats: int) -> dict:
     model = build_model(model_cfg, decode=True)
     B, P = prompts.shape
 
-    @jax.jit
+    @xla_env.decode_jit  # compiled as generate's own prefill is (per-token = generate - prefill)
     def prefill(params, tokens):
         cache = decode.init_cache(model, B, P + NEW_TOKENS)
         positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
@@ -201,6 +201,8 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     if args.child:
         return _child(args)
+    if args.rounds < 1 or args.repeats < 1:
+        ap.error(f"--rounds={args.rounds} and --repeats={args.repeats} must be >= 1")
 
     import jax
     import torch
@@ -219,8 +221,14 @@ def main(argv=None) -> dict:
             n_params = sum(p.numel() for p in hf_model.parameters())
             del hf_model
             for B in (int(b) for b in args.batches.split(",")):
-                runs = [(_run_child("ours", folder, model_cfg.vocab_size, B, args),
-                         _run_child("hf", folder, model_cfg.vocab_size, B, args)) for _ in range(args.rounds)]
+                runs = []
+                for r in range(args.rounds):  # alternate which side goes first, so load drift cancels
+                    order = ("ours", "hf") if r % 2 == 0 else ("hf", "ours")
+                    got = {k: _run_child(k, folder, model_cfg.vocab_size, B, args) for k in order}
+                    runs.append((got["ours"], got["hf"]))
+                for i, side in enumerate(("ours", "transformers")):  # greedy, same weights: same tokens
+                    if any(r[i]["tokens"] != runs[0][i]["tokens"] for r in runs):
+                        raise RuntimeError(f"{preset} B={B}: {side}' greedy tokens differ between rounds")
                 ours, hf = (_median_run([r[i] for r in runs]) for i in (0, 1))
                 same = float((np.asarray(ours["tokens"]) == np.asarray(hf["tokens"])).mean())
                 o, h = _summary(ours, B), _summary(hf, B)
@@ -234,6 +242,8 @@ def main(argv=None) -> dict:
                 row = dict(preset=preset, params=n_params, batch=B, ours=o, transformers=h,
                            speedup=o["tokens_per_s"] / h["tokens_per_s"], greedy_tokens_agree=same,
                            speedup_per_round=per_round,
+                           rounds=[{side: {k: v for k, v in r[i].items() if k != "tokens"}
+                                    for i, side in enumerate(("ours", "transformers"))} for r in runs],
                            loadavg=dict(ours=ours["loadavg"], transformers=hf["loadavg"]))
                 rows.append(row)
                 print(f"{preset:>5} B={B}: ours {o['tokens_per_s']:8.0f} tok/s (prefill "
@@ -247,7 +257,8 @@ def main(argv=None) -> dict:
                jax=jax.__version__, torch=torch.__version__, transformers=transformers.__version__,
                torch_threads=args.threads, xla_flags=os.environ.get("XLA_FLAGS", ""),
                loadavg=os.getloadavg(), prompt_len=PROMPT_LEN, new_tokens=NEW_TOKENS,
-               repeats=args.repeats, rounds=args.rounds)
+               repeats=args.repeats, rounds=args.rounds,
+               decode_compiler_options=xla_env.decode_compiler_options())
     report = dict(env=env, results=rows, notes=(
         "Greedy, float32, no stop tokens. Same random weights on both sides (HF LlamaForCausalLM "
         "saved with save_pretrained, imported with icml_jax.interop.load_hf). Each measurement runs "
@@ -267,13 +278,16 @@ def _markdown(report: dict) -> str:
         f"`python -m benchmarks.decode_speed` on {e['date']}: {e['cpus']} CPU cores ({e['machine']}), "
         f"jax {e['jax']}, torch {e['torch']} ({e['torch_threads']} threads), transformers "
         f"{e['transformers']}, load average {tuple(round(x, 1) for x in e['loadavg'])}"
-        + (f", XLA_FLAGS=`{e['xla_flags']}`" if e["xla_flags"] else "") + ".",
+        + (f", XLA_FLAGS=`{e['xla_flags']}`" if e["xla_flags"] else "")
+        + (f" (our decode loops compile with `{e['decode_compiler_options']}`: `xla_env.decode_jit`)"
+           if e.get("decode_compiler_options") else "") + ".",
         "",
         f"Greedy decoding of {e['new_tokens']} new tokens after a {e['prompt_len']}-token prompt, "
         f"float32, same random Llama weights on both sides, each side in its own process; median of {e['repeats']} runs after one "
         "warm-up run (our XLA compile time is excluded from every number and shown on its own)"
-        + (f"; {e['rounds']} rounds per case (a fresh child process per side each round, ours then "
-           "transformers), each side's median over them, and the range of the per-round speedup"
+        + (f"; {e['rounds']} rounds per case (a fresh child process per side each round, "
+           "alternating which side goes first), each side's median over them (the speedup column is the "
+           "ratio of the medians), and the per-round speedups"
            if e.get("rounds", 1) > 1 else "") + ".",
         "",
         "| model | params | batch | ours tok/s | HF tok/s | speedup | speedup per round | ours prefill ms | HF prefill ms "

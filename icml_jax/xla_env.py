@@ -85,9 +85,17 @@ def decode_compiler_options(environ=None) -> dict | None:
     default list instead (:data:`JAX_DEFAULT_YNN_FUSIONS`). A value the user set is left to rule, and
     other backends get no options."""
     environ = os.environ if environ is None else environ
-    if YNN_FLAG not in environ.get(ADDED_ENV, "").split():
+    return _decode_options(environ.get(ADDED_ENV, ""), environ.get("XLA_FLAGS", ""))
+
+
+@functools.lru_cache(maxsize=8)
+def _decode_options(added: str, xla_flags: str) -> dict | None:
+    """:func:`decode_compiler_options` from the two variables' values (cached: it runs on every
+    decode call, e.g. once per token in CoS)."""
+    if YNN_FLAG not in added.split():
         return None
-    if f"{YNN_FLAG}=" not in environ.get("XLA_FLAGS", "").split():  # XLA_FLAGS changed since
+    values = [f.split("=", 1)[1] for f in xla_flags.split() if f.split("=", 1)[0] == YNN_FLAG and "=" in f]
+    if not values or values[-1] != "":  # XLA reads the last one; changed since use_default_flags
         return None
     import jax
     if jax.default_backend() != "cpu":
@@ -97,9 +105,12 @@ def decode_compiler_options(environ=None) -> dict | None:
 
 def decode_jit(fun=None, **jit_kwargs):
     """``jax.jit(fun, **jit_kwargs)`` compiled with :func:`decode_compiler_options` as they are at
-    call time (one jitted variant per distinct options; usable as a decorator, with or without
-    keyword arguments). ``_cache_size()`` counts the compiled programs of every variant and
-    ``__wrapped__`` is ``fun``, as for a plain ``jax.jit``."""
+    call time (one jitted variant per distinct options, in ``.variants``; usable as a decorator,
+    with or without keyword arguments). ``_cache_size()`` counts the compiled programs of every
+    variant and ``__wrapped__`` is ``fun``, as for a plain ``jax.jit``; the other attributes of a
+    jitted function (``lower``, ``trace``, ``eval_shape``) are not forwarded: call them on a
+    ``.variants`` entry. The options follow the environment at call time, while XLA read
+    ``XLA_FLAGS`` once at start-up, so change neither variable after the first JAX computation."""
     if fun is None:
         return functools.partial(decode_jit, **jit_kwargs)
     import jax

@@ -3,6 +3,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from icml_jax import xla_env
 from icml_jax.config_utils import REPO_ROOT
 
@@ -36,6 +38,8 @@ def test_decode_programs_get_jax_default_ynn_dots_only_when_the_flag_is_ours():
     later = dict(ours, XLA_FLAGS=f"{xla_env.YNN_FLAG}=LIBRARY_FUSION_TYPE_DOT")  # changed afterwards
     assert xla_env.decode_compiler_options(later) is None
     assert xla_env.decode_compiler_options({xla_env.OPT_OUT_ENV: "1"}) is None
+    twice = dict(ours, XLA_FLAGS=f"{ours['XLA_FLAGS']} {xla_env.YNN_FLAG}=LIBRARY_FUSION_TYPE_DOT")
+    assert xla_env.decode_compiler_options(twice) is None  # XLA takes the last value
 
 
 def _ynn_fusions(jitted, *args):
@@ -48,8 +52,8 @@ def test_decode_jit_compiles_with_the_options(monkeypatch):
     import jax
     import jax.numpy as jnp
     import numpy as np
-    assert f"{xla_env.YNN_FLAG}=" in os.environ["XLA_FLAGS"].split(), \
-        "tests/jax_env.py sets the entry points' flags (unless ICML_JAX_DEFAULT_XLA_FLAGS=1 opts out)"
+    if xla_env.decode_compiler_options() is None:
+        pytest.skip("the suite runs without the entry points' flags (ICML_JAX_DEFAULT_XLA_FLAGS=1)")
     fn = lambda x, w: jnp.tanh(x @ w).sum(-1)  # a dot and a reduce
     x = jnp.asarray(np.random.default_rng(0).normal(size=(8, 64)), jnp.float32)
     w = jnp.asarray(np.random.default_rng(1).normal(size=(64, 96)), jnp.float32)
@@ -58,7 +62,7 @@ def test_decode_jit_compiles_with_the_options(monkeypatch):
     key = ((xla_env.YNN_FLAG[2:], xla_env.JAX_DEFAULT_YNN_FUSIONS),)
     assert list(f.variants) == [key] and f._cache_size() == 1 and f.__wrapped__ is fn
     assert _ynn_fusions(f.variants[key], x, w) > 0
-    monkeypatch.delenv(xla_env.ADDED_ENV)  # as if the user had set the flag
+    monkeypatch.delenv(xla_env.ADDED_ENV, raising=False)  # as if the user had set the flag
     plain = f(x, w)
     assert list(f.variants) == [key, ()] and f._cache_size() == 2
     assert _ynn_fusions(f.variants[()], x, w) == 0
@@ -103,7 +107,6 @@ def test_entry_points_turn_on_the_compilation_cache_unless_configured(tmp_path):
     """``use_defaults`` stores compiled executables in ``$ICML_JAX_COMPILATION_CACHE`` (a second
     run loads them); ``off`` and a cache configured for JAX itself are respected; a bad threshold
     is a one-line error."""
-    import pytest
     with pytest.raises(ValueError, match="ICML_JAX_CACHE_MIN_COMPILE_SECS='-1' is not a number"):
         xla_env.use_compilation_cache({xla_env.CACHE_MIN_SECS_ENV: "-1"})
     assert xla_env.default_cache_dir({"XDG_CACHE_HOME": "/x"}) == "/x/icml_jax/jax_cache"

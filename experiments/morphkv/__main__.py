@@ -322,11 +322,15 @@ def grouped(rows, window, testbed="block"):
 ORDER = ["full", "streaming", "h2o", "snapkv", "morphkv-sum", "morphkv-max"]
 
 
+def _sorted_grid(g):
+    """A grid's ((label, slots), rows) items: the full cache first, then by slots and policy."""
+    return sorted(g.items(), key=lambda kv: (kv[0][1] if kv[0][0] != "full" else 0, ORDER.index(kv[0][0])))
+
+
 def policy_table(g, fields):
     """Markdown rows (label, slots, peak, KiB, then mean ± se of each field, tokens/s) of a grid."""
     table = []
-    for (lab, slots), rs in sorted(g.items(), key=lambda kv: (kv[0][1] if kv[0][0] != "full" else 0,
-                                                               ORDER.index(kv[0][0]))):
+    for (lab, slots), rs in _sorted_grid(g):
         table.append([lab, "—" if lab == "full" else slots, rs[0]["peak_slots"], f"{rs[0]['kv_bytes'] / 2**10:.0f}",
                       *[pm(*mean_spread([r[f] for r in rs])[:2], nd=3) for f in fields],
                       f"{np.mean([r['tokens_per_s'] for r in rs]):,.0f}"])
@@ -337,8 +341,7 @@ def halves_table(g):
     """Markdown rows (label, slots, recall in the response's first half, in its second, the change)
     of a grid, mean ± se over seeds; the change is per seed, then averaged."""
     table = []
-    for (lab, slots), rs in sorted(g.items(), key=lambda kv: (kv[0][1] if kv[0][0] != "full" else 0,
-                                                               ORDER.index(kv[0][0]))):
+    for (lab, slots), rs in _sorted_grid(g):
         cells = [pm(*mean_spread(v)[:2], nd=3) for v in ([r["recall_early"] for r in rs], [r["recall_late"] for r in rs],
                                                          [r["recall_late"] - r["recall_early"] for r in rs])]
         table.append([lab, "—" if lab == "full" else slots, *cells])

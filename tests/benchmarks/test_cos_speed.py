@@ -27,7 +27,7 @@ def test_cos_benchmark_tiny_writes_its_report(tmp_path):
 def test_merge_passes_takes_medians_and_the_range():
     def row(method, tps, sp):
         return dict(combiner="cd", temperature=1.0, method=method, tokens=64, tokens_per_s=tps,
-                    speedup_vs_standard=sp, acceptance=0.8)
+                    speedup_vs_standard=sp, acceptance=0.8, same_as_standard=None)
     passes = [[row("standard", 100.0, 1.0), row("cos", 150.0, 1.5)],
               [row("standard", 80.0, 1.0), row("cos", 100.0, 1.25)],
               [row("standard", 120.0, 1.0), row("cos", 200.0, 5 / 3)]]
@@ -35,3 +35,5 @@ def test_merge_passes_takes_medians_and_the_range():
     assert (std["tokens_per_s"], std["speedup_vs_standard"], std["speedup_range"]) == (100.0, 1.0, [1.0, 1.0])
     assert (cos["tokens_per_s"], cos["speedup_vs_standard"], cos["speedup_range"]) == (150.0, 1.5, [1.25, 5 / 3])
     assert cos["passes"] == 3 and cos["acceptance"] == 0.8 and cos["method"] == "cos"
+    t0 = [[dict(passes[0][1], temperature=0.0, same_as_standard=ok)] for ok in (True, False, True)]
+    assert cos_speed.merge_passes(t0)[0]["same_as_standard"] is False  # one pass disagreeing is enough

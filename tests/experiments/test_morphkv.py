@@ -108,7 +108,7 @@ def test_morphkv_tiny_outputs(tmp_path, monkeypatch):
     assert "Gates:" in md and "| morphkv-max |" in md and "window ablation" in md and "## Topic testbed" in md
     assert "## As the response grows" in md and "| block: 1st half |" in md
     # the halves' reading rests on causal scoring under eviction: the first half of a sequence scores
-    # the same alone as inside the whole one (MorphKV evicting, N < the half's length)
+    # the same alone as inside the whole one (every evicting policy, N < the half's length)
     from experiments.morphkv.__main__ import eval_batch, run_config, text_pool
     from icml_jax.inference.decode import scored_decode
     from icml_jax.models.kv_policies import KVPolicy
@@ -118,8 +118,10 @@ def test_morphkv_tiny_outputs(tmp_path, monkeypatch):
     toks, P, _, _ = eval_batch(np.random.default_rng(5), text_pool("validation"), exp,
                                ByteTokenizer(exp.num_keys * exp.num_values))
     half = P + (toks.shape[1] - P) // 2
-    pol = KVPolicy("morphkv", slots=exp.budgets[0], window=exp.window, fuse="max")
-    assert half > pol.slots
-    whole = scored_decode(cfg.model, params, toks, prompt_len=P, kv_policy=pol)
-    first = scored_decode(cfg.model, params, toks[:, :half], prompt_len=P, kv_policy=pol)
-    np.testing.assert_allclose(whole[:, :half - 1], first, rtol=1e-5, atol=1e-5)
+    N = exp.budgets[0]
+    assert half > N
+    for pol in (KVPolicy("morphkv", slots=N, window=exp.window, fuse="max"), KVPolicy("h2o", slots=N, window=exp.window),
+                KVPolicy("streaming", slots=N, sinks=exp.sinks)):
+        whole = scored_decode(cfg.model, params, toks, prompt_len=P, kv_policy=pol)
+        first = scored_decode(cfg.model, params, toks[:, :half], prompt_len=P, kv_policy=pol)
+        np.testing.assert_allclose(whole[:, :half - 1], first, rtol=1e-5, atol=1e-5, err_msg=pol.name)

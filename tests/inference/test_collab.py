@@ -116,6 +116,8 @@ def test_flax_models_greedy_cos_equals_collaborative_and_rollback_is_exact():
     got = lm.feed([7, 8])
     want = fresh.feed([1, 5, 9, 20, 7, 8])[-2:]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    from icml_jax import xla_env  # the cached step compiles through decode_jit, with its options
+    assert list(lm._step.variants) == [tuple((xla_env.decode_compiler_options() or {}).items())]
 
 
 def _three(seed=4, V=V):

@@ -120,6 +120,9 @@ def test_one_compile_per_bucket():
     assert decode._generate._cache_size() == n
     generate(cfg, params, [[1] * 17], **kw)  # next bucket
     assert decode._generate._cache_size() == n + 1
+    # compiled through xla_env.decode_jit, with the YNN options (the test process has our flags)
+    from icml_jax import xla_env
+    assert list(decode._generate.variants) == [tuple((xla_env.decode_compiler_options() or {}).items())]
 
 
 def test_top_k_one_equals_greedy():

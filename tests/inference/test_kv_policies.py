@@ -269,3 +269,6 @@ def test_scored_decode_equals_the_full_forward_and_a_sliding_window_model():
     assert np.abs(win - ref).max() > 1e-3
     with pytest.raises(ValueError, match="prompt_len"):
         scored_decode(cfg, params, toks, prompt_len=24)
+    from icml_jax import xla_env  # compiled through decode_jit, with its options
+    from icml_jax.inference import decode
+    assert list(decode._scored.variants) == [tuple((xla_env.decode_compiler_options() or {}).items())]
