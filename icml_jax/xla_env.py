@@ -84,23 +84,27 @@ def decode_compiler_options(environ=None) -> dict | None:
     appended (recorded in ``$ICML_JAX_ADDED_XLA_FLAGS``), the decode programs compile with jax's own
     default list instead (:data:`JAX_DEFAULT_YNN_FUSIONS`). A value the user set is left to rule, and
     other backends get no options."""
-    environ = os.environ if environ is None else environ
-    return _decode_options(environ.get(ADDED_ENV, ""), environ.get("XLA_FLAGS", ""))
+    return dict(_decode_options_key(os.environ if environ is None else environ)) or None
+
+
+def _decode_options_key(environ) -> tuple:
+    """:func:`decode_compiler_options` as a sorted tuple of items (``()`` for none), the key of
+    :func:`decode_jit`'s variants."""
+    return _options_key(environ.get(ADDED_ENV, ""), environ.get("XLA_FLAGS", ""))
 
 
 @functools.lru_cache(maxsize=8)
-def _decode_options(added: str, xla_flags: str) -> dict | None:
-    """:func:`decode_compiler_options` from the two variables' values (cached: it runs on every
-    decode call, e.g. once per token in CoS)."""
+def _options_key(added: str, xla_flags: str) -> tuple:
+    """From the two variables' values (cached: it runs on every decode call, once per token in CoS)."""
     if YNN_FLAG not in added.split():
-        return None
+        return ()
     values = [f.split("=", 1)[1] for f in xla_flags.split() if f.split("=", 1)[0] == YNN_FLAG and "=" in f]
     if not values or values[-1] != "":  # XLA reads the last one; changed since use_default_flags
-        return None
+        return ()
     import jax
     if jax.default_backend() != "cpu":
-        return None
-    return {YNN_FLAG[2:]: JAX_DEFAULT_YNN_FUSIONS}
+        return ()
+    return ((YNN_FLAG[2:], JAX_DEFAULT_YNN_FUSIONS),)
 
 
 def decode_jit(fun=None, **jit_kwargs):
@@ -118,11 +122,10 @@ def decode_jit(fun=None, **jit_kwargs):
 
     @functools.wraps(fun)
     def call(*args, **kwargs):
-        opts = decode_compiler_options()
-        key = tuple(sorted(opts.items())) if opts else ()
+        key = _decode_options_key(os.environ)
         jitted = variants.get(key)
         if jitted is None:
-            jitted = variants[key] = jax.jit(fun, compiler_options=opts, **jit_kwargs)
+            jitted = variants[key] = jax.jit(fun, compiler_options=dict(key) or None, **jit_kwargs)
         return jitted(*args, **kwargs)
 
     call._cache_size = lambda: sum(j._cache_size() for j in variants.values())

@@ -261,6 +261,14 @@ def policies(exp):
     return out
 
 
+def late_half(T: int, P: int) -> np.ndarray:
+    """Over the T - 1 targets (target j is token j + 1), the second half of the response: the
+    response's tokens are P ... T - 1, i.e. targets P - 1 ... T - 2, and its first (T - P) // 2 are
+    the first half. Scoring is causal, so the first half's recall is what a response of half the
+    length gets."""
+    return np.arange(T - 1) >= P - 1 + (T - P) // 2
+
+
 def _rate(hit, mask) -> float:
     """The share of ``hit`` over ``mask`` (NaN when the mask is empty)."""
     return float(hit[mask].mean()) if mask.any() else float("nan")
@@ -275,9 +283,7 @@ def evaluate(exp, model_cfg, params, batch, seed, testbed: str = "block"):
     ans = qidx >= (1 if testbed == "topic" else 0)
     first = qidx == 0
     T = toks.shape[1]
-    # the response's first and second half (targets j >= P - 1 are the response's tokens): the
-    # scoring is causal, so the first half's recall is what a response of half the length gets
-    late = np.arange(T - 1) >= P - 1 + (T - P) // 2
+    late = late_half(T, P)
     m = model_cfg
     bytes_per_slot = 2 * m.num_layers * m.num_kv_heads * m.head_dim * 4  # K and V, float32
     rows, full_nll = [], None
@@ -295,7 +301,7 @@ def evaluate(exp, model_cfg, params, batch, seed, testbed: str = "block"):
         rows.append(dict(testbed=testbed, seed=seed, policy=pol.name, fuse=pol.fuse if pol.name == "morphkv" else "",
                          slots=pol.slots or T, window=pol.window if pol.name in ("h2o", "snapkv", "morphkv") else 0,
                          peak_slots=peak, kv_bytes=peak * bytes_per_slot,
-                         recall=float(hit[ans].mean()), recall_first=float(hit[first].mean()),
+                         recall=_rate(hit, ans), recall_first=_rate(hit, first),
                          recall_early=_rate(hit, ans & ~late), recall_late=_rate(hit, ans & late),
                          answers=int(ans.sum()),
                          nll_gap=float((nll - full_nll).mean()), nll=float(nll.mean()),

@@ -8,8 +8,8 @@ import numpy as np
 
 from icml_jax.data.tokenizers import ByteTokenizer
 
-from experiments.morphkv.__main__ import (CLOSE, KEYS, OPEN, PRESETS, QUERY, VALUES, main, make_sequence,
-                                         policies, topic_batch, topic_sequence)
+from experiments.morphkv.__main__ import (CLOSE, KEYS, OPEN, PRESETS, QUERY, VALUES, late_half, main,
+                                         make_sequence, policies, topic_batch, topic_sequence)
 
 POOL = "the quick brown fox jumps over the lazy dog.\n" * 400
 
@@ -118,6 +118,7 @@ def test_morphkv_tiny_outputs(tmp_path, monkeypatch):
     toks, P, _, _ = eval_batch(np.random.default_rng(5), text_pool("validation"), exp,
                                ByteTokenizer(exp.num_keys * exp.num_values))
     half = P + (toks.shape[1] - P) // 2
+    assert not late_half(toks.shape[1], P)[:half - 1].any() and late_half(toks.shape[1], P)[half - 1:].all()
     N = exp.budgets[0]
     assert half > N
     for pol in (KVPolicy("morphkv", slots=N, window=exp.window, fuse="max"), KVPolicy("h2o", slots=N, window=exp.window),
@@ -125,3 +126,9 @@ def test_morphkv_tiny_outputs(tmp_path, monkeypatch):
         whole = scored_decode(cfg.model, params, toks, prompt_len=P, kv_policy=pol)
         first = scored_decode(cfg.model, params, toks[:, :half], prompt_len=P, kv_policy=pol)
         np.testing.assert_allclose(whole[:, :half - 1], first, rtol=1e-5, atol=1e-5, err_msg=pol.name)
+
+
+def test_late_half_splits_the_response_targets():
+    # T = 10 tokens, prompt P = 4: the response is tokens 4..9 = targets 3..8; its first half 3..5
+    np.testing.assert_array_equal(late_half(10, 4), [False] * 6 + [True] * 3)
+    np.testing.assert_array_equal(late_half(11, 4), [False] * 6 + [True] * 4)  # 7 tokens: 3 + 4
