@@ -104,8 +104,13 @@ COMBINERS: dict[str, Callable] = {
 
 
 def _draw(rng, p) -> int:
-    p = np.asarray(p, np.float64)
-    return int(rng.choice(p.shape[-1], p=p / p.sum()))
+    """A draw from normalise(p): the same index, from the same random stream, as
+    ``rng.choice(len(p), p=p / p.sum())`` (numpy's own inverse-CDF rule, a third of its cost)."""
+    cdf = np.cumsum(np.asarray(p, np.float64))
+    if not cdf[-1] > 0:
+        raise ValueError(f"cannot sample from weights summing to {cdf[-1]}")
+    cdf /= cdf[-1]
+    return int(cdf.searchsorted(rng.random(), side="right"))
 
 
 def _accept(rng, r, q, x: int, greedy: bool) -> bool:
@@ -292,18 +297,20 @@ class FlaxLM:
         model = build_model(model_cfg, decode=True)
         self.params = params
         self.max_len = int(max_len or model_cfg.max_seq_len)
-        self._empty = init_cache(model, 1, self.max_len)
+        # every sequence starts from a fresh zero cache (one call): the step donates its cache
+        self._empty = jax.jit(lambda: init_cache(model, 1, self.max_len))
 
         def step(params, cache, toks, pos):
             cache = _set_cache_index(cache, pos[0, 0])  # the pointer follows the host's length
             logits, mut = model.apply({"params": params, "cache": cache}, toks, pos,
                                       jnp.ones_like(toks), mutable=["cache"])
             return logits[0].astype(jnp.float32), mut["cache"]
-        self._step = decode_jit(step)
+        # the cache is donated: each call updates it in place instead of copying every layer's
+        self._step = decode_jit(step, donate_argnums=(1,))
         self._reset()
 
     def _reset(self):
-        self.cache = self._empty
+        self.cache = None  # made on the first feed
         self.tokens: list[int] = []
         self.calls = 0
         self.tokens_fed = 0
@@ -325,7 +332,9 @@ class FlaxLM:
             raise ValueError(f"FlaxLM: {self.length + n} tokens exceed its cache of {self.max_len}")
         toks = np.asarray([list(tokens)], np.int32)  # host arrays: one transfer with the call
         pos = np.arange(self.length, self.length + n, dtype=np.int32)[None]
-        logits, self.cache = self._step(self.params, self.cache, toks, pos)
+        cache = self._empty() if self.cache is None else self.cache
+        self.cache = None  # donated: unusable if the call fails
+        logits, self.cache = self._step(self.params, cache, toks, pos)
         self.calls += 1
         self.tokens_fed += n
         self.tokens += [int(x) for x in tokens]

@@ -55,17 +55,27 @@ def _decode_attend(q_BTGRK, k_BSGK, v_BSGK, mask_BTS, bias=None):
     """``_softmax_attend`` for a few queries against a cache (decode): the R query heads of a KV
     head and the T queries are one matrix dimension M = R*T of each (B, G) dot, so XLA on CPU
     runs two plain batched matmuls over the cache (a [B, G, R, T, S] layout with T = 1 ran at a
-    third of the speed). Same numbers."""
+    third of the speed). The dots batch over N = B*G, the cache's own leading axis (``KVCache``),
+    so the views' reshapes cancel and the dots read the updated cache itself. Same numbers."""
     B, T, G, R, K = q_BTGRK.shape
     S = k_BSGK.shape[1]
-    q = jnp.transpose(q_BTGRK, (0, 2, 3, 1, 4)).reshape(B, G, R * T, K)
-    logits = upcast(jnp.einsum("BGMK,BSGK->BGMS", q, k_BSGK)) * (K ** -0.5)
+    n = cache_lead(B, G)
+    q = jnp.transpose(q_BTGRK, (0, 2, 3, 1, 4)).reshape(n + (R * T, K))
+    k = jnp.transpose(k_BSGK, (0, 2, 3, 1)).reshape(n + (K, S))
+    v = jnp.transpose(v_BSGK, (0, 2, 1, 3)).reshape(n + (S, K))
+    logits = upcast(jnp.einsum("...MK,...KS->...MS", q, k)).reshape(B, G, R * T, S) * (K ** -0.5)
     if bias is not None:
         logits = logits + jnp.broadcast_to(bias, (B, G, R, T, S)).reshape(B, G, R * T, S)
     mask = jnp.broadcast_to(mask_BTS[:, None, None], (B, 1, R, T, S)).reshape(B, 1, R * T, S)
     probs = jax.nn.softmax(jnp.where(mask, logits, NEG_INF), axis=-1).astype(v_BSGK.dtype)
-    o = jnp.einsum("BGMS,BSGK->BGMK", probs, v_BSGK).reshape(B, G, R, T, K)
+    o = jnp.einsum("...MS,...SK->...MK", probs.reshape(n + (R * T, S)), v).reshape(B, G, R, T, K)
     return jnp.transpose(o, (0, 3, 1, 2, 4))
+
+
+def cache_lead(B: int, G: int) -> tuple:
+    """The leading axes of a ``KVCache`` entry: (B*G,), or none when B*G = 1 (XLA drops a unit
+    axis for the dots, and the cache update was then computed twice, once per shape)."""
+    return (B * G,) if B * G > 1 else ()
 
 
 def query_block_count(model_cfg, T: int, S: int) -> int:
@@ -102,13 +112,16 @@ def over_causal_blocks(fn, n: int, q_tree, k_tree, ts_tree):
 class KVCache(nn.Module):
     """Decode-time key/value store (collection ``cache``), sized by the input it is initialised with.
 
-    Values are stored head-major, [B, G, S, K], and keys key-major, [B, G, K, S]: the decode
-    attention's two dots batch over (B, G) and are then plain [M, K] x [K, S] and [M, S] x [S, K]
-    matmuls over the cache as it lies in memory. (With [B, S, G, K] the compiled decode loop
-    transposed both caches of every layer at every step; with head-major keys it still transposed
-    the whole key cache to [B, G, K, S] at every step, seen in the compiled HLO.) Callers get
-    [B, S, G, K] views, which XLA folds into the einsum path's dots; this layout was measured on
-    that path only (``attention_impl`` "xla" / "cudnn" may copy the key view per step)."""
+    Values are stored head-major, [B*G, S, K], and keys key-major, [B*G, K, S], the batch and KV
+    head axes as one (no leading axis when B*G = 1, :func:`cache_lead`): the decode attention's two dots batch over that axis and are then plain
+    [M, K] x [K, S] and [M, S] x [S, K] matmuls over the cache as it lies in memory. (With
+    [B, S, G, K] the compiled decode loop transposed both caches of every layer at every step;
+    with head-major keys it still transposed the whole key cache at every step. With separate B
+    and G axes, at batch 1 XLA dropped the unit axis for the dots and computed each cache update
+    twice, once per shape, copying every layer's K and V cache two to four times per step; seen
+    in the compiled HLO.) Callers get [B, S, G, K] views, which XLA folds into the einsum path's
+    dots; this layout was measured on that path only (``attention_impl`` "xla" / "cudnn" may copy
+    the key view per step)."""
 
     @nn.compact
     def __call__(self, k_BTGK, v_BTGK, positions_BT, segment_ids_BT):
@@ -116,8 +129,10 @@ class KVCache(nn.Module):
         positions, segment ids) and the slot indices of the queries [B, T] and keys [B, S]."""
         B, T = positions_BT.shape
         ready = self.has_variable("cache", "k")
-        head_major = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731  [B, T, G, K] <-> [B, G, T, K]
-        key_major = lambda x: jnp.transpose(x, (0, 2, 3, 1))  # noqa: E731  [B, T, G, K] -> [B, G, K, T]
+        G, K = k_BTGK.shape[2], k_BTGK.shape[3]
+        n = cache_lead(B, G)  # (B, G) as one leading axis: [B*G, T, K] / [B*G, K, T]
+        head_major = lambda x: jnp.swapaxes(x, 1, 2).reshape(n + (x.shape[1], K))  # noqa: E731
+        key_major = lambda x: jnp.transpose(x, (0, 2, 3, 1)).reshape(n + (K, x.shape[1]))  # noqa: E731
         ck = self.variable("cache", "k", jnp.zeros, key_major(k_BTGK).shape, k_BTGK.dtype)
         cv = self.variable("cache", "v", jnp.zeros, head_major(v_BTGK).shape, v_BTGK.dtype)
         cpos = self.variable("cache", "positions", jnp.zeros, (B, T), jnp.int32)
@@ -127,16 +142,18 @@ class KVCache(nn.Module):
             idx = jnp.broadcast_to(jnp.arange(T), (B, T))
             return k_BTGK, v_BTGK, positions_BT, segment_ids_BT, idx, idx
         i = cidx.value
-        ck.value = jax.lax.dynamic_update_slice(ck.value, key_major(k_BTGK).astype(ck.value.dtype), (0, 0, 0, i))
-        cv.value = jax.lax.dynamic_update_slice(cv.value, head_major(v_BTGK).astype(cv.value.dtype), (0, 0, i, 0))
+        z = (0,) * len(n)
+        ck.value = jax.lax.dynamic_update_slice(ck.value, key_major(k_BTGK).astype(ck.value.dtype), z + (0, i))
+        cv.value = jax.lax.dynamic_update_slice(cv.value, head_major(v_BTGK).astype(cv.value.dtype), z + (i, 0))
         cpos.value = jax.lax.dynamic_update_slice(cpos.value, positions_BT.astype(jnp.int32), (0, i))
         cseg.value = jax.lax.dynamic_update_slice(cseg.value, segment_ids_BT.astype(jnp.int32), (0, i))
         cidx.value = i + T
-        S = cv.value.shape[2]
+        S = cv.value.shape[-2]
         q_idx = jnp.broadcast_to(i + jnp.arange(T), (B, T))
         k_idx = jnp.broadcast_to(jnp.arange(S), (B, S))
-        k_BSGK = jnp.transpose(ck.value, (0, 3, 1, 2))
-        return k_BSGK, head_major(cv.value), cpos.value, cseg.value, q_idx, k_idx
+        k_BSGK = jnp.transpose(ck.value.reshape(B, G, K, S), (0, 3, 1, 2))
+        v_BSGK = jnp.swapaxes(cv.value.reshape(B, G, S, K), 1, 2)
+        return k_BSGK, v_BSGK, cpos.value, cseg.value, q_idx, k_idx
 
 
 def kv_policy_of(model_cfg):

@@ -118,6 +118,30 @@ def test_flax_models_greedy_cos_equals_collaborative_and_rollback_is_exact():
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     from icml_jax import xla_env  # the cached step compiles through decode_jit, with its options
     assert list(lm._step.variants) == [tuple((xla_env.decode_compiler_options() or {}).items())]
+    # the step donates its cache (updated in place): forks of a used model start from zeros and
+    # agree with it, and the donated input is gone
+    old = lm.cache
+    lm.feed([3])
+    kv = [x for path, x in jax.tree_util.tree_leaves_with_path(old) if path[-1].key in ("k", "v")]
+    assert kv and all(x.is_deleted() for x in kv)
+    f1, f2 = lm.fork(), lm.fork()
+    np.testing.assert_array_equal(f1.feed([1, 5, 9, 20, 7, 8]), want_full := fresh.fork().feed([1, 5, 9, 20, 7, 8]))
+    f2.feed([1, 5])
+    np.testing.assert_array_equal(f2.feed([9, 20, 7, 8]), want_full[2:])
+
+
+def test_draw_is_numpy_choice():
+    """``_draw`` returns the index ``rng.choice(V, p=normalised p)`` returns, from the same random
+    stream (so seeded runs keep their tokens), for unnormalised weights with zeros."""
+    g = np.random.default_rng(0)
+    for trial in range(300):
+        p = g.dirichlet(np.full(int(g.integers(2, 300)), 0.3)) * g.uniform(0.5, 2.0)
+        p[g.integers(len(p))] = 0.0
+        r1, r2 = np.random.default_rng(trial), np.random.default_rng(trial)
+        assert [collab._draw(r1, p) for _ in range(4)] == [int(r2.choice(len(p), p=p / p.sum())) for _ in range(4)]
+        assert r1.random() == r2.random()
+    with pytest.raises(ValueError, match="summing to 0"):
+        collab._draw(g, np.zeros(4))
 
 
 def _three(seed=4, V=V):

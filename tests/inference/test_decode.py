@@ -281,3 +281,35 @@ def test_greedy_matches_transformers(kind, tmp_path):
                    temperature=0)
     np.testing.assert_array_equal(one.tokens[0], ref1[0, 3:].numpy())
     np.testing.assert_array_equal(two.tokens, ref2[:, 7:].numpy())
+
+
+@pytest.mark.parametrize("batch,kv_heads", [(1, 1), (1, 2), (2, 1), (2, 2)])
+def test_decode_loop_updates_each_cache_once_and_copies_none(batch, kv_heads):
+    """The compiled while loop of ``generate`` touches each layer's K and V cache once per step:
+    the only cache-sized results in its body are one in-place update per cache (no copy, no
+    transpose, no second update). At batch 1 with (B, G) stored as two axes, XLA computed every
+    update twice and copied each cache two to four times per step (``attention.KVCache``)."""
+    import re
+
+    from icml_jax.models import hooks
+    cfg = load_config("configs/lm.py:tiny", unlocked=True).model
+    cfg.update(dict(num_layers=2, num_heads=2 * kv_heads, num_kv_heads=kv_heads))
+    params = build_model(cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+    P, N = 4, 8
+    tokens, positions, segments = decode.pad_prompts([[1, 2, 3]] * batch, P, 0)
+    model, edit_args = hooks.split_model(build_model(cfg, decode=True))
+    jitted = jax.jit(decode._generate.__wrapped__,
+                     static_argnames=("model", "max_new", "mode", "return_logits", "return_stats"))
+    hlo = jitted.lower(model, params, None, tokens, positions, segments, jax.random.key(0), jnp.float32(1.0),
+                       jnp.int32(0), jnp.float32(1.0), jnp.asarray([-1], jnp.int32), jnp.int32(0), edit_args,
+                       max_new=N, mode=decode.SamplerMode(True, False, False),
+                       return_logits=False).compile().as_text()
+    body_name = re.search(r"body=%?([\w.\-]+)", hlo).group(1)
+    start = hlo.index(f"\n%{body_name} ")
+    body = hlo[start:hlo.index("\n}\n", start)].split("\n")
+    size = batch * kv_heads * cfg.head_dim * (P + N)
+    sized = [(m.group(2), line) for line in body
+             if (m := re.match(r"\s*(?:ROOT )?%([\w.\-]+) = f32\[([\d,]+)\]\S* ([\w\-]+)\(", line))
+             and np.prod([int(d) for d in m.group(2).split(",")]) == size and m.group(3) != "get-tuple-element"]
+    assert len(sized) == 2 * cfg.num_layers, "\n".join(line.strip()[:160] for _, line in sized)
+    assert all("dynamic-update-slice" in line for _, line in sized), sized
