@@ -8,8 +8,8 @@ import numpy as np
 
 from icml_jax.data.tokenizers import ByteTokenizer
 
-from experiments.morphkv.__main__ import (CLOSE, KEYS, OPEN, PRESETS, QUERY, VALUES, late_half, main,
-                                         make_sequence, policies, topic_batch, topic_sequence)
+from experiments.morphkv.__main__ import (CLOSE, KEYS, OPEN, PRESETS, QUERY, VALUES, corpus_key, late_half, main,
+                                         make_sequence, policies, topic_batch, topic_sequence, write_corpus)
 
 POOL = "the quick brown fox jumps over the lazy dog.\n" * 400
 
@@ -132,3 +132,32 @@ def test_late_half_splits_the_response_targets():
     # T = 10 tokens, prompt P = 4: the response is tokens 4..9 = targets 3..8; its first half 3..5
     np.testing.assert_array_equal(late_half(10, 4), [False] * 6 + [True] * 3)
     np.testing.assert_array_equal(late_half(11, 4), [False] * 6 + [True] * 4)  # 7 tokens: 3 + 4
+
+
+def test_corpus_topic_share(tmp_path):
+    """``topic_train`` mixes topic sequences into the training corpus (none before a pair is
+    defined inline); at 0 the corpus and its key are what the presets without it always had."""
+    import copy
+    exp = copy.deepcopy(PRESETS["tiny"])
+    exp.update(dict(seq_len=120))
+    plain = str(tmp_path / "plain.jsonl")
+    write_corpus(plain, np.random.default_rng(3), POOL, 40, exp)
+    rng = np.random.default_rng(3)  # the generator before topic_train existed
+    want = [make_sequence(rng, POOL, 119, exp.pairs, (0, 0) if rng.uniform() < exp.pure else exp.gap, True,
+                          exp.num_keys, exp.num_values)[0] for _ in range(40)]
+    assert [json.loads(x)["text"] for x in open(plain)] == want
+    key = corpus_key(exp)
+    exp.topic_train = 0.5
+    assert corpus_key(exp) != key
+    mixed = str(tmp_path / "mixed.jsonl")
+    write_corpus(mixed, np.random.default_rng(3), POOL, 40, exp)
+    texts = [json.loads(x)["text"] for x in open(mixed)]
+    topics = [t for t in texts if t[0] != OPEN]
+    assert all(len(t) == 119 for t in texts) and 8 <= len(topics) <= 32
+    pair_chars = {chr(ByteTokenizer.first_extra + c) for c in range(exp.num_keys * exp.num_values)}
+    for t in topics:  # a topic sequence: pairs inline, each key's queries after its pair
+        assert OPEN not in t and any(ch in pair_chars for ch in t)
+        for i, ch in enumerate(t):
+            if ch == QUERY and i + 2 < len(t):
+                code = [ord(c) - ByteTokenizer.first_extra for c in t[:i] if c in pair_chars]
+                assert KEYS.index(t[i + 1]) in {c // exp.num_values for c in code}
