@@ -475,9 +475,13 @@ def plot(exp, rows, path):
 
 def run_config(exp, corpus: str, seed: int):
     from icml_jax.config_utils import load_config
+    from icml_jax.data.tokenizers import ByteTokenizer
     cfg = load_config("configs/lm.py:small", unlocked=True)
+    vocab = ByteTokenizer(exp.num_keys * exp.num_values).vocab_size
     cfg.update_from_flattened_dict({**run_overrides(exp["model"]), **run_overrides(exp["train"]), **QUIET,
                                     "seed": seed, "data.name": "jsonl", "data.path": corpus,
+                                    # the preset's vocabulary, a multiple of 128 as configs/lm.py keeps it
+                                    "model.vocab_size": max(cfg.model.vocab_size, -(-vocab // 128) * 128),
                                     "data.tokenizer.extra_ids": exp.num_keys * exp.num_values,
                                     "data.seq_len": exp.seq_len, "model.max_seq_len": exp.seq_len})
     return cfg
