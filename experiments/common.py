@@ -34,12 +34,17 @@ def write_csv(path: str, rows: Iterable[Mapping], fieldnames: Sequence[str]) -> 
 
 
 def git_commit() -> str:
-    """Short hash of the checkout's HEAD (provenance line of results.md), or ``unknown``."""
+    """Short hash of the checkout's HEAD (provenance line of results.md), ``+dirty`` when tracked
+    files differ from it (the run used uncommitted code), or ``unknown``."""
+    here = os.path.dirname(os.path.abspath(__file__))
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=here).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, cwd=here).stdout.strip()
     except OSError:
         return "unknown"
+    return (head + ("+dirty" if dirty else "")) if head else "unknown"
 
 
 def cached(path: str, key, compute: Callable[[], dict], *, seconds_key: str | None = None) -> dict:

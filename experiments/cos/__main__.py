@@ -42,8 +42,9 @@ PRESETS = {
     "default": preset(
         a=dict(model=dict(d_model=64, num_layers=2, num_heads=2, num_kv_heads=2, head_dim=32, ffn_dim=192)),
         # b as configs/lm.py:20m (17.9M params, 68 MiB of float32 weights, twice this CPU's 32 MiB
-        # L3 cache): like an LLM's, its decode step streams its weights from memory, so a call on a
-        # few tokens costs little more than on one (the regime speculation is built for)
+        # L3 cache): like an LLM's, its decode step streams its weights from memory, so its call
+        # costs many of a's and a call on a few tokens costs less than that many calls on one (the
+        # regime speculation is built for; docs/methods/cos.md)
         b=dict(model=dict(d_model=512, num_layers=6, num_heads=8, num_kv_heads=4, head_dim=64, ffn_dim=1408)),
         train=dict(data=dict(seq_len=128), train=dict(steps=400, batch_size=16, warmup_steps=40, log_every=50,
                                                        eval_every=200, eval_batches=8, checkpoint_every=200)),

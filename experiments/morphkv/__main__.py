@@ -23,8 +23,9 @@ tokens of the response, peak KV slots (full and SnapKV: the whole sequence, sinc
 compresses the prompt), KV bytes per sequence at that peak, and decode tokens/s (a second, warm
 call). The same models are also evaluated on a "topic" testbed (``topic_sequence``): no block,
 pairs defined inline one topic at a time, each asked a few times and never again; its recall is
-over the answers after a topic's first query. Each testbed's analysis is gated on the full
-cache's recall (>= ``gate`` on every seed).
+over the answers after a topic's first query (the ``long1k`` preset also trains on a share
+``topic_train`` of topic sequences; the others train on blocks only). Each testbed's analysis is
+gated on the full cache's recall (>= ``gate`` on every seed).
 Outputs: DIR/results.csv, DIR/results.md, DIR/recall.png, DIR/config.json.
 """
 import json
@@ -135,8 +136,9 @@ def make_sequence(rng, pool: str, length: int, pairs: int, gap: tuple[int, int],
 
 def write_corpus(path: str, rng, pool: str, docs: int, exp) -> None:
     """Training sequences: a share ``exp.pure`` of queries only (no text, keys repeating: the
-    lookup is learned from these), the rest spaced like the evaluation's, with text; with
-    ``exp.topic_train`` > 0, that share are topic sequences instead (``topic_sequence``)."""
+    lookup is learned from these), the rest spaced like the evaluation's, with text. With
+    ``exp.topic_train`` > 0 a share ``topic_train`` of all sequences is drawn first as topic
+    sequences (``topic_sequence``), and ``pure`` applies to the rest."""
     topic = exp.get("topic_train", 0.0)
 
     def one():
@@ -178,7 +180,8 @@ def eval_batch(rng, pool: str, exp, tok):
 
 
 def topic_sequence(rng, pool: str, length: int, exp):
-    """The "topic" testbed (evaluation only, the same models): no block; the response defines one
+    """The "topic" testbed (evaluated on every preset's models; in training only with
+    ``topic_train`` > 0, the ``long1k`` preset): no block; the response defines one
     pair at a time inline (a pair token after ``topic_text`` characters of text), then asks its key
     ``topic_queries`` times (the first ``topic_first`` characters after the definition, the next
     ones ``topic_gap`` apart), and never again; keys are distinct. (text, [(answer index, query
@@ -401,8 +404,9 @@ def markdown(exp, meta, rows, gates):
         f"{exp.model.model.num_kv_heads} KV heads, RoPE), trained {exp.train.train.steps} steps per seed on "
         f"{exp.seq_len}-token sequences: a block of {exp.pairs} key/value pairs (one token each: {exp.num_keys} keys × "
         f"{exp.num_values} values), then Shakespeare (byte tokens) with a query every {exp.gap[0]}–{exp.gap[1]} "
-        f"characters (each key once); {exp.pure:.0%} of the training sequences are queries only"
-        + (f" and {exp.topic_train:.0%} topic sequences (below)" if exp.get("topic_train", 0.0) else "") +
+        + (f"characters (each key once); of the training sequences {exp.topic_train:.0%} are topic sequences "
+           f"(below) and {(1 - exp.topic_train) * exp.pure:.1%} queries only" if exp.get("topic_train", 0.0) else
+           f"characters (each key once); {exp.pure:.0%} of the training sequences are queries only") +
         ". Dev loss per seed: "
         f"{', '.join(f'{v:.3f}' for v in meta['dev_loss'])}. Two evaluations of the same models, {exp.eval_docs} "
         "held-out sequences each per seed (held-out works as text), teacher-forced through the cached decode step. "

@@ -106,9 +106,12 @@ COMBINERS: dict[str, Callable] = {
 def _draw(rng, p) -> int:
     """A draw from normalise(p): the same index, from the same random stream, as
     ``rng.choice(len(p), p=p / p.sum())`` (numpy's own inverse-CDF rule, a third of its cost)."""
-    cdf = np.cumsum(np.asarray(p, np.float64))
-    if not cdf[-1] > 0:
-        raise ValueError(f"cannot sample from weights summing to {cdf[-1]}")
+    p = np.asarray(p, np.float64)
+    total = p.sum()
+    if not (np.isfinite(total) and total > 0) or (p < 0).any():
+        raise ValueError(f"cannot sample from weights summing to {total} (min {p.min()}): need finite, "
+                         "non-negative weights with a positive sum")
+    cdf = (p / total).cumsum()
     cdf /= cdf[-1]
     return int(cdf.searchsorted(rng.random(), side="right"))
 
@@ -333,8 +336,12 @@ class FlaxLM:
         toks = np.asarray([list(tokens)], np.int32)  # host arrays: one transfer with the call
         pos = np.arange(self.length, self.length + n, dtype=np.int32)[None]
         cache = self._empty() if self.cache is None else self.cache
-        self.cache = None  # donated: unusable if the call fails
-        logits, self.cache = self._step(self.params, cache, toks, pos)
+        try:
+            logits, self.cache = self._step(self.params, cache, toks, pos)
+        except BaseException:
+            if any(x.is_deleted() for x in jax.tree.leaves(cache)):  # donated and gone: start over
+                self._reset()
+            raise
         self.calls += 1
         self.tokens_fed += n
         self.tokens += [int(x) for x in tokens]

@@ -6,8 +6,9 @@ Projections are stored grouped by kv head so that tensor parallelism shards whol
   out kernel [G, R, K, D]
 
 Decoding (``decode=True``): the layer keeps a ``cache`` collection sized by the input it was
-initialised with ([B, S]): keys/values [B, S, G, K] (already position-encoded), per-slot positions
-and segment ids [B, S], and the next write index. Each call writes its T new tokens at the index
+initialised with ([B, S]): keys [B*G, K, S] and values [B*G, S, K] (already position-encoded; no
+leading axis when B*G = 1; callers see [B, S, G, K] views), per-slot positions and segment ids
+[B, S], and the next write index. Each call writes its T new tokens at the index
 and attends over the whole cache; empty slots are never visible (causality by slot index).
 """
 import flax.linen as nn
@@ -74,7 +75,9 @@ def _decode_attend(q_BTGRK, k_BSGK, v_BSGK, mask_BTS, bias=None):
 
 def cache_lead(B: int, G: int) -> tuple:
     """The leading axes of a ``KVCache`` entry: (B*G,), or none when B*G = 1 (XLA drops a unit
-    axis for the dots, and the cache update was then computed twice, once per shape)."""
+    axis for the dots, and the cache update was then computed twice, once per shape). One merged
+    axis: a sharded decode could not split batch and KV heads over different mesh axes (none
+    shards the cache today)."""
     return (B * G,) if B * G > 1 else ()
 
 
@@ -113,8 +116,9 @@ class KVCache(nn.Module):
     """Decode-time key/value store (collection ``cache``), sized by the input it is initialised with.
 
     Values are stored head-major, [B*G, S, K], and keys key-major, [B*G, K, S], the batch and KV
-    head axes as one (no leading axis when B*G = 1, :func:`cache_lead`): the decode attention's two dots batch over that axis and are then plain
-    [M, K] x [K, S] and [M, S] x [S, K] matmuls over the cache as it lies in memory. (With
+    head axes as one (no leading axis when B*G = 1, :func:`cache_lead`): the decode attention's
+    two dots batch over that axis and are then plain [M, K] x [K, S] and [M, S] x [S, K] matmuls
+    over the cache as it lies in memory. (With
     [B, S, G, K] the compiled decode loop transposed both caches of every layer at every step;
     with head-major keys it still transposed the whole key cache at every step. With separate B
     and G axes, at batch 1 XLA dropped the unit axis for the dots and computed each cache update

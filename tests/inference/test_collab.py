@@ -1,4 +1,5 @@
 """Collaborative decoding and its speculative drivers (Naive-CoS, CoS) give the same outputs."""
+import functools
 import itertools
 
 import jax
@@ -128,11 +129,31 @@ def test_flax_models_greedy_cos_equals_collaborative_and_rollback_is_exact():
     np.testing.assert_array_equal(f1.feed([1, 5, 9, 20, 7, 8]), want_full := fresh.fork().feed([1, 5, 9, 20, 7, 8]))
     f2.feed([1, 5])
     np.testing.assert_array_equal(f2.feed([9, 20, 7, 8]), want_full[2:])
+    # a failed call keeps a cache it did not consume (the next feed sees the whole context) and
+    # resets the model when its cache was donated and lost
+    step = f2._step
+
+    def failing(params, cache, *a, consume=False):
+        if consume:
+            jax.tree.map(lambda x: x.delete(), cache)
+        raise RuntimeError("boom")
+    for consume in (False, True):
+        f3 = lm.fork()
+        f3.feed([1, 5, 9])
+        f3._step = functools.partial(failing, consume=consume)
+        with pytest.raises(RuntimeError, match="boom"):
+            f3.feed([20])
+        f3._step = step
+        if consume:
+            assert f3.length == 0 and f3.cache is None
+            f3.feed([1, 5, 9])
+        np.testing.assert_array_equal(f3.feed([20, 7, 8]), want_full[3:])
 
 
 def test_draw_is_numpy_choice():
     """``_draw`` returns the index ``rng.choice(V, p=normalised p)`` returns, from the same random
-    stream (so seeded runs keep their tokens), for unnormalised weights with zeros."""
+    stream (so seeded runs keep their tokens), for unnormalised weights with zeros; weights numpy
+    refuses (negative, infinite, NaN, all zero) raise."""
     g = np.random.default_rng(0)
     for trial in range(300):
         p = g.dirichlet(np.full(int(g.integers(2, 300)), 0.3)) * g.uniform(0.5, 2.0)
@@ -140,8 +161,9 @@ def test_draw_is_numpy_choice():
         r1, r2 = np.random.default_rng(trial), np.random.default_rng(trial)
         assert [collab._draw(r1, p) for _ in range(4)] == [int(r2.choice(len(p), p=p / p.sum())) for _ in range(4)]
         assert r1.random() == r2.random()
-    with pytest.raises(ValueError, match="summing to 0"):
-        collab._draw(g, np.zeros(4))
+    for bad in (np.zeros(4), np.array([0.5, -0.1, 0.6]), np.array([1.0, np.inf]), np.array([np.nan, 1.0])):
+        with pytest.raises(ValueError, match="cannot sample"):
+            collab._draw(g, bad)
 
 
 def _three(seed=4, V=V):
