@@ -118,14 +118,13 @@ class KVCache(nn.Module):
     Values are stored head-major, [B*G, S, K], and keys key-major, [B*G, K, S], the batch and KV
     head axes as one (no leading axis when B*G = 1, :func:`cache_lead`): the decode attention's
     two dots batch over that axis and are then plain [M, K] x [K, S] and [M, S] x [S, K] matmuls
-    over the cache as it lies in memory. (With
-    [B, S, G, K] the compiled decode loop transposed both caches of every layer at every step;
-    with head-major keys it still transposed the whole key cache at every step. With separate B
-    and G axes, at batch 1 XLA dropped the unit axis for the dots and computed each cache update
-    twice, once per shape, copying every layer's K and V cache two to four times per step; seen
-    in the compiled HLO.) Callers get [B, S, G, K] views, which XLA folds into the einsum path's
-    dots; this layout was measured on that path only (``attention_impl`` "xla" / "cudnn" may copy
-    the key view per step)."""
+    over the cache as it lies in memory. (With [B, S, G, K] the compiled decode loop transposed
+    both caches of every layer at every step; with head-major keys it still transposed the whole
+    key cache at every step. With separate B and G axes, at batch 1 XLA dropped the unit axis for
+    the dots and computed each cache update twice, once per shape, copying every layer's K and V
+    cache two to four times per step; seen in the compiled HLO.) Callers get [B, S, G, K] views,
+    which XLA folds into the einsum path's dots; this layout was measured on that path only
+    (``attention_impl`` "xla" / "cudnn" may copy the key view per step)."""
 
     @nn.compact
     def __call__(self, k_BTGK, v_BTGK, positions_BT, segment_ids_BT):
