@@ -65,11 +65,10 @@ PRESETS["long"] = preset(**{**PRESETS["default"].to_dict(), "seq_len": 512})
 # 1024-token sequences, 4x the default's (the paper's "responses grow 4x"): 24 keys so the topic
 # testbed's topics fill the response, block queries spread over it (gap 40-100), a quarter of the
 # training sequences topic-style (pairs defined inline, anywhere in the sequence: at 512 tokens one
-# seed trained on blocks only recalled 84% of the topic answers) and 2/3 of the rest queries only
-# (with 1/2, the first run, the lookup did not form: docs/methods/morphkv.md), batch 8 (the
-# default's tokens per step), 2 seeds, budgets up to 1/8 of the sequence
+# seed trained on blocks only recalled 84% of the topic answers), batch 8 (the default's tokens per
+# step), 2 seeds, budgets up to 1/8 of the sequence
 PRESETS["long1k"] = preset(**{
-    **PRESETS["default"].to_dict(), "seq_len": 1024, "num_keys": 24, "gap": (40, 100),
+    **PRESETS["default"].to_dict(), "seq_len": 1024, "num_keys": 24, "gap": (40, 100), "pure": 0.5,
     "topic_train": 0.25, "seeds": (0, 1), "budgets": (32, 64, 128), "ablation_budget": 64,
     "train": dict(train={**PRESETS["default"].train.train.to_dict(), "batch_size": 8})})
 FIELDS = ("testbed", "seed", "policy", "fuse", "slots", "window", "peak_slots", "kv_bytes", "recall", "recall_first",
