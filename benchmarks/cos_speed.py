@@ -39,15 +39,8 @@ from icml_jax import xla_env
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-SIZES = {
-    "default": dict(a=dict(d_model=64, num_layers=2, num_heads=2, num_kv_heads=2, head_dim=32, ffn_dim=192),
-                    b=dict(d_model=512, num_layers=6, num_heads=8, num_kv_heads=4, head_dim=64, ffn_dim=1408)),
-    "tiny": dict(a=dict(d_model=32, num_layers=1, num_heads=2, num_kv_heads=2, head_dim=16, ffn_dim=64),
-                 b=dict(d_model=48, num_layers=2, num_heads=2, num_kv_heads=2, head_dim=24, ffn_dim=96)),
-}
-
-
-def random_models(sizes, max_len):
+def random_models(preset: str, max_len):
+    """Random-weight models (init std x 4) of the sizes of the experiment's ``preset``."""
     import jax
     import jax.numpy as jnp
 
@@ -56,7 +49,7 @@ def random_models(sizes, max_len):
     out = {}
     for i, which in enumerate(("a", "b")):
         cfg = load_config("configs/lm.py:small", unlocked=True).model
-        cfg.update(dict(sizes[which], max_seq_len=max_len))
+        cfg.update(dict(PRESETS[preset][which].model.to_dict(), max_seq_len=max_len))
         m = build_model(cfg)
         params = jax.jit(lambda k: jax.tree.map(lambda x: x * 4.0, m.init(k, jnp.zeros((1, 8), jnp.int32))["params"]))(
             jax.random.key(i))
@@ -174,7 +167,7 @@ def main(argv=None) -> dict:
     max_len = 64 + args.new_tokens + args.gamma + 8
     trained = not (args.random or args.tiny)
     models = trained_models(args.trained) if trained else random_models(
-        SIZES["tiny" if args.tiny else "default"], max_len)
+        "tiny" if args.tiny else "default", max_len)
     factories = {w: collab.FlaxLM(cfg, p, max_len).fork for w, (cfg, p) in models.items()}
     vocab = min(cfg.vocab_size for cfg, _ in models.values())
     if trained:
