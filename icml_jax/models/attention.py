@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from icml_jax.models import hooks, lowrank
-from icml_jax.models.layers import constrain, get_dtype, param, upcast
+from icml_jax.models.layers import constrain, get_dtype, matmul, param, upcast
 from icml_jax.models.positions import POSITIONS
 
 NEG_INF = -1e30
@@ -291,8 +291,7 @@ class Attention(nn.Module):
     def project_qkv(self, x_BTD):
         """x [B, T, D] -> q [B, T, G, R, K], k [B, T, G, K], v [B, T, G, K]."""
         R = self.cfg.num_heads // self.cfg.num_kv_heads
-        qkv_BTGCK = jnp.einsum("BTD,DGCK->BTGCK", x_BTD.astype(self.dtype),
-                               self.w_qkv.astype(self.dtype))
+        qkv_BTGCK = matmul(x_BTD.astype(self.dtype), self.w_qkv.astype(self.dtype))
         if self.cfg.qkv_bias:
             qkv_BTGCK = qkv_BTGCK + self.b_qkv.astype(self.dtype)
         q_BTGRK, k_BTGK, v_BTGK = qkv_BTGCK[:, :, :, :R], qkv_BTGCK[:, :, :, R], qkv_BTGCK[:, :, :, R + 1]
@@ -334,7 +333,8 @@ class Attention(nn.Module):
             B, T, G, R, K = o_BTGRK.shape  # copied the whole transposed W_O at every decode step
             y_BTD = jnp.dot(o_BTGRK.reshape(B, T, G * R * K), self.w_out.astype(o_BTGRK.dtype).reshape(G * R * K, -1))
         else:
-            y_BTD = jnp.einsum("BTGRK,GRKD->BTD", o_BTGRK, self.w_out.astype(o_BTGRK.dtype))
+            B, T, G, R, K = o_BTGRK.shape
+            y_BTD = matmul(o_BTGRK.reshape(B, T, G * R * K), self.w_out.astype(o_BTGRK.dtype).reshape(G * R * K, -1))
         return y_BTD if self.lowrank is None else y_BTD + lowrank.out_delta(self.lowrank, o_BTGRK)
 
     def __call__(self, x_BTD, positions_BT, segment_ids_BT):

@@ -67,3 +67,37 @@ class RMSNorm(nn.Module):
         x32 = upcast(x)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return (y * upcast(scale)).astype(self.dtype)
+
+
+@jax.custom_vjp
+def matmul(x, w):
+    """``x [..., D] @ w [D, *out] -> [..., *out]`` as one dot over the flattened rows, whose
+    backward pass transposes the narrower operand for the weight gradient.
+
+    The weight gradient contracts the rows of both x and the output cotangent dy, so one of them
+    must be transposed for the CPU matmul. XLA's default for an einsum transposes whichever its
+    operand order gives, often the wider one (e.g. the 2F-wide gate/up cotangent, written
+    transposed beside its row-major copy); here it is the narrower one (min(D, out) wide)."""
+    D = x.shape[-1]
+    y = jax.lax.dot_general(x.reshape(-1, D), w.reshape(D, -1), (((1,), (0,)), ((), ())))
+    return y.reshape(x.shape[:-1] + w.shape[1:])
+
+
+def _matmul_fwd(x, w):
+    return matmul(x, w), (x, w)
+
+
+def _matmul_bwd(res, dy):
+    x, w = res
+    D = x.shape[-1]
+    x2, w2 = x.reshape(-1, D), w.reshape(D, -1)
+    dy2 = dy.reshape(x2.shape[0], w2.shape[1])
+    dx = jax.lax.dot_general(dy2, w2, (((1,), (1,)), ((), ())))
+    if D <= w2.shape[1]:  # transpose x (D wide): dw = x^T dy
+        dw = jax.lax.dot_general(x2, dy2, (((0,), (0,)), ((), ())))
+    else:  # transpose dy (out wide): dw = (dy^T x)^T
+        dw = jax.lax.dot_general(dy2, x2, (((0,), (0,)), ((), ()))).T
+    return dx.reshape(x.shape).astype(x.dtype), dw.reshape(w.shape).astype(w.dtype)
+
+
+matmul.defvjp(_matmul_fwd, _matmul_bwd)

@@ -63,7 +63,7 @@ import ml_collections
 
 from icml_jax.models import sparse_ffn
 from icml_jax.models import hooks, lowrank
-from icml_jax.models.layers import constrain, get_dtype, param
+from icml_jax.models.layers import constrain, get_dtype, matmul, param
 from icml_jax.registry import Registry
 
 ACTIVATIONS = Registry("MLP activation", "config.model.mlp.activation")
@@ -193,7 +193,7 @@ class _MLPBase(nn.Module):
             self.sow("intermediates", "mlp_keep", keep.astype(jnp.float32))
             used_BTF = jnp.where(keep, acts_BTF, jnp.zeros_like(acts_BTF))
         used_BTF = hooks.point(self, "mlp_hidden", used_BTF, self.edits)
-        y_BTD = jnp.einsum("BTF,FD->BTD", used_BTF, w_FD.astype(dt))
+        y_BTD = matmul(used_BTF, w_FD.astype(dt))
         if factors is not None:
             y_BTD = y_BTD + lowrank.mlp_out_delta(factors, used_BTF)
         return y_BTD, acts_BTF
@@ -205,7 +205,7 @@ class GatedMLP(_MLPBase):
     gate_fn = staticmethod(jax.nn.silu)
 
     def gate_up_acts(self, x_BTD, w_D2F, extra=None):
-        h_BT2F = jnp.einsum("BTD,DCF->BTCF", x_BTD, w_D2F)
+        h_BT2F = matmul(x_BTD, w_D2F)
         if extra is not None:
             h_BT2F = h_BT2F + extra
         gate_BTF, up_BTF = self.gate_fn(h_BT2F[:, :, 0]), h_BT2F[:, :, 1]
@@ -217,7 +217,7 @@ class PlainMLP(_MLPBase):
     act_fn = staticmethod(jax.nn.relu)
 
     def gate_up_acts(self, x_BTD, w_DF, extra=None):
-        h_BTF = jnp.einsum("BTD,DF->BTF", x_BTD, w_DF)
+        h_BTF = matmul(x_BTD, w_DF)
         a_BTF = self.act_fn(h_BTF if extra is None else h_BTF + extra[:, :, 0])
         return a_BTF, None, a_BTF
 

@@ -21,7 +21,7 @@ import ml_collections
 
 from icml_jax.models import hetero, hooks
 from icml_jax.models.attention import Attention
-from icml_jax.models.layers import RMSNorm, constrain, get_dtype, param, upcast
+from icml_jax.models.layers import RMSNorm, constrain, get_dtype, matmul, param, upcast
 from icml_jax.models.mlp import ACTIVATIONS, is_gated
 from icml_jax.models.positions import position_param_count
 from icml_jax.registry import Registry
@@ -83,7 +83,7 @@ class StandardIO(nn.Module):
         """Final norm + output projection; logits in float32 [B, T, V]."""
         x = self.features(h_BTD)
         w_DV = self.embedding.T if self.cfg.tie_embeddings else self.lm_head
-        logits = jnp.einsum("BTD,DV->BTV", x, w_DV.astype(x.dtype))
+        logits = matmul(x, w_DV.astype(x.dtype))
         return constrain(upcast(logits), ("batch", "length", "act_vocab"))
 
 

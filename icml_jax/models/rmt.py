@@ -58,6 +58,7 @@ plain AdamW with the RMT decay mask).
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, NamedTuple
 
@@ -96,6 +97,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
                          ("param", r.param, ("mup", "lecun"))):
         if val not in ok:
             raise ValueError(f"unknown config.model.rmt.{key}={val!r}; choose one of {list(ok)}")
+    residual_dtype(c)  # a one-line error for an unknown config.model.rmt.residual_dtype
     if r.key_dim <= 0:
         raise ValueError(f"config.model.rmt.key_dim must be positive, got {r.key_dim}")
     if c.get("attention_impl", "einsum") != "einsum":
@@ -218,12 +220,81 @@ def _key_param(module, c, name, shape, axes):
 
 def retrieve(x_BTEK, a_KR):
     """Retrieval with R keys: [B, T, E, K] x [K, R] -> [B, T, R, E]."""
-    return jnp.einsum("BTEK,KR->BTRE", x_BTEK, a_KR.astype(x_BTEK.dtype))
+    return jnp.swapaxes(retrieve_er(x_BTEK, a_KR.astype(x_BTEK.dtype)), -1, -2)
+
+
+@jax.custom_vjp
+def retrieve_er(x_BTEK, a_KR):
+    """[B, T, E, K] x [K, R] -> [B, T, E, R]: one matmul over the B·T·E rows of X, with no transposed
+    copy of X in the forward or the backward pass (the weight gradient transposes the R-wide
+    cotangent instead, XLA's default transposes the K-wide X)."""
+    *lead, K = x_BTEK.shape
+    u = jax.lax.dot_general(x_BTEK.reshape(-1, K), a_KR, (((1,), (0,)), ((), ())))
+    return u.reshape(*lead, a_KR.shape[1])
+
+
+def _retrieve_er_fwd(x_BTEK, a_KR):
+    return retrieve_er(x_BTEK, a_KR), (x_BTEK, a_KR)
+
+
+def _retrieve_er_bwd(res, g_BTER):
+    x_BTEK, a_KR = res
+    K, R = a_KR.shape
+    g = g_BTER.reshape(-1, R)
+    dx = jax.lax.dot_general(g, a_KR, (((1,), (1,)), ((), ())))  # [N, K]
+    da = jax.lax.dot_general(g, x_BTEK.reshape(-1, K), (((0,), (0,)), ((), ())))  # [R, K]
+    return dx.reshape(x_BTEK.shape).astype(x_BTEK.dtype), da.T.astype(a_KR.dtype)
+
+
+retrieve_er.defvjp(_retrieve_er_fwd, _retrieve_er_bwd)
 
 
 def store(v_BTRE, s_RK):
     """Storage of R vectors under R keys: [B, T, R, E] x [R, K] -> [B, T, E, K] (sum over R)."""
     return jnp.einsum("BTRE,RK->BTEK", v_BTRE, s_RK.astype(v_BTRE.dtype))
+
+
+def residual_dtype(c) -> jnp.dtype:
+    """The dtype the residual matrices X are kept in between layers: ``config.model.rmt.residual_dtype``
+    ("" = the compute dtype ``config.model.dtype``)."""
+    name = c.rmt.get("residual_dtype", "")
+    return get_dtype(name, "config.model.rmt.residual_dtype") if name else get_dtype(c.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def store_add(x_BTEK, v_BTRE, s_RK, dtype):
+    """X + store(v, s), summed in at least float32 and kept in ``dtype`` (the residual dtype).
+
+    Forward as one elementwise pass (X + Σ_r v_r ⊗ s_r, R unrolled) instead of a dot whose [B, T,
+    E, K] output is written and read back by the add: the contraction is only R long, so the step
+    is bound by the X-sized memory traffic, not by the multiply-adds. Backward: the dots of
+    ``store``'s own gradient (dX passes through)."""
+    wide = wide_dtype(jnp.result_type(v_BTRE.dtype, s_RK.dtype))
+    v, s = v_BTRE.astype(wide), s_RK.astype(wide)
+    upd = v[:, :, 0, :, None] * s[0]
+    for r in range(1, s.shape[0]):
+        upd = upd + v[:, :, r, :, None] * s[r]
+    return (upcast(x_BTEK) + upd).astype(dtype)
+
+
+def _store_add_fwd(x_BTEK, v_BTRE, s_RK, dtype):
+    return store_add(x_BTEK, v_BTRE, s_RK, dtype), (v_BTRE, s_RK, jnp.zeros((), x_BTEK.dtype))
+
+
+def _store_add_bwd(dtype, res, g_BTEK):
+    v_BTRE, s_RK, x_like = res
+    R, K = s_RK.shape
+    g = g_BTEK.reshape(-1, K)
+    # both products keep dX [B·T·E, K] as it is (rows x K); only the R-wide operands are transposed
+    dv = jax.lax.dot_general(g, s_RK.astype(g.dtype), (((1,), (1,)), ((), ())),
+                             preferred_element_type=wide_dtype(g.dtype))  # [B·T·E, R]
+    v_NR = jnp.swapaxes(v_BTRE, -1, -2).reshape(-1, R).astype(g.dtype)
+    ds = jax.lax.dot_general(v_NR, g, (((0,), (0,)), ((), ())), preferred_element_type=wide_dtype(g.dtype))
+    dv = jnp.swapaxes(dv.reshape(g_BTEK.shape[:-1] + (R,)), -1, -2).astype(v_BTRE.dtype)
+    return g_BTEK.astype(x_like.dtype), dv, ds.astype(s_RK.dtype)
+
+
+store_add.defvjp(_store_add_fwd, _store_add_bwd)
 
 
 class RMTIO(nn.Module):
@@ -262,7 +333,9 @@ class RMTIO(nn.Module):
                 positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
             p_BTRE = jnp.take(self.pos_embedding, positions_BT, axis=0).astype(dt)
             e_BTRE = e_BTRE + p_BTRE * (c.rmt.input_multiplier if c.rmt.param == "mup" else 1.0)
-        x_BTEK = constrain(store(e_BTRE, self.embed_store), X_AXES)
+        rdt = residual_dtype(c)
+        x0_BTEK = jnp.zeros((B, T, c.head_dim, c.rmt.key_dim), rdt)  # storage into an empty memory
+        x_BTEK = constrain(store_add(x0_BTEK, e_BTRE, self.embed_store, rdt), X_AXES)
         return RMTState(x_BTEK, jnp.zeros((B, 1), jnp.int32))
 
     def features(self, h: RMTState):
@@ -293,8 +366,9 @@ class RMTAttention(nn.Module):
         w_KCR = param(self, "qkv_retrieve",
                       _qkv_init(hidden_std(c, "qkv_retrieve"), c.rmt.query_zero_init),
                       (K, 3, R), ("rmt_key", None, "rmt_rank"), pdt)
-        qkv_BTCRE = jnp.einsum("BTEK,KCR->BTCRE", x_BTEK, w_KCR.astype(x_BTEK.dtype))
-        q, k, v = (constrain(qkv_BTCRE[:, :, i], HEAD_AXES) for i in range(3))
+        B, T, E, _ = x_BTEK.shape
+        qkv_BTECR = retrieve_er(x_BTEK, w_KCR.astype(x_BTEK.dtype).reshape(K, 3 * R)).reshape(B, T, E, 3, R)
+        q, k, v = (constrain(jnp.moveaxis(qkv_BTECR[:, :, :, i], -1, 2), HEAD_AXES) for i in range(3))
         if self.decode:
             k, v, k_pos, k_seg, q_idx, k_idx = KVCache(name="kv_cache")(k, v, positions_BT, segment_ids_BT)
         else:
@@ -341,7 +415,8 @@ class RMTBlock(nn.Module):
         o_BTRE = RMTAttention(c, self.decode, name="attn")(_norm(c, "attn_norm")(x_BTEK), h.layer,
                                                            positions_BT, segment_ids_BT)
         s_RK = _key_param(self, c, "attn_store", (R, K), ("rmt_rank", "rmt_key"))
-        x_BTEK = constrain(x_BTEK + store(o_BTRE, s_RK).astype(x_BTEK.dtype), X_AXES)
+        rdt = residual_dtype(c)
+        x_BTEK = constrain(store_add(x_BTEK, o_BTRE, s_RK, rdt), X_AXES)
 
         a_KR = _key_param(self, c, "mlp_retrieve", (K, R), ("rmt_key", "rmt_rank"))
         u_BTRE = retrieve(_norm(c, "mlp_norm")(x_BTEK), a_KR)
@@ -353,7 +428,7 @@ class RMTBlock(nn.Module):
         self.sow("intermediates", "mlp_acts", acts_BTF)
         s_RK = _key_param(self, c, "mlp_store", (R, K), ("rmt_rank", "rmt_key"))
         f_BTRE = y_BTD.reshape(B, T, R, E)
-        x_BTEK = constrain(x_BTEK + store(f_BTRE, s_RK).astype(x_BTEK.dtype), X_AXES)
+        x_BTEK = constrain(store_add(x_BTEK, f_BTRE, s_RK, rdt), X_AXES)
         return RMTState(x_BTEK, h.layer + 1), None
 
 

@@ -42,7 +42,8 @@ _FIXED_PREFIXES = ("task", "seed", "model.", "data.", "train.batch_size")
 # TFDS folder does not change the data) and how the same params are computed
 _FREE_KEYS = ("data.data_dir", "model.remat", "model.dtype")
 # config keys added later, with the value that means "as before": a run saved without one resumes
-ADDED_DEFAULTS = {"model.lowrank": 0, "model.blocks.attention": "", "model.blocks.ffn": ""}
+ADDED_DEFAULTS = {"model.lowrank": 0, "model.blocks.attention": "", "model.blocks.ffn": "",
+                  "model.rmt.residual_dtype": ""}
 # keys that define the learning-rate schedule (optimizer.lr_schedule)
 SCHEDULE_KEYS = ("train.steps", "train.lr", "train.warmup_steps", "train.min_lr_ratio")
 # files and folders of a run that start_over moves aside

@@ -49,9 +49,16 @@ def test_matmul_params_are_the_projection_kernels(tie):
 
 
 def _dot_flops(jaxpr) -> int:
-    """2·(output size)·(contracted size) summed over every dot_general, recursing into sub-jaxprs."""
+    """2·(output size)·(contracted size) summed over every dot_general, recursing into sub-jaxprs.
+    The RMT's storage (``rmt.store_add``: X [B, T, E, K] + Σ_r v [B, T, r, E] ⊗ s [r, K]) runs as
+    one elementwise pass, not a dot; it counts as the R multiply-adds per entry it does."""
     total = 0
     for eqn in jaxpr.eqns:
+        shapes = [v.aval.shape for v in eqn.invars]
+        if (eqn.primitive.name == "custom_vjp_call" and len(shapes) == 3 and len(shapes[2]) == 2
+                and eqn.outvars[0].aval.shape == shapes[0] and shapes[1][2] == shapes[2][0]):
+            total += 2 * shapes[2][0] * int(np.prod(shapes[0]))
+            continue
         if eqn.primitive.name == "dot_general":
             (lc, _), _ = eqn.params["dimension_numbers"]
             lhs = eqn.invars[0].aval.shape

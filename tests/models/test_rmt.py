@@ -5,6 +5,7 @@ import functools
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -559,3 +560,95 @@ def test_fsdp_tensor_sharding_matches_one_device():
     assert shard == [shape[0] // 4, shape[1] // 2], (spec, shape, shard)
     n_sharded = sum(v[1] != v[2] for v in eight["shardings"].values())
     assert n_sharded >= len(eight["shardings"]) // 2
+
+
+# ----------------------------------------------------------------------------- step layout, residual dtype
+
+def _store_retrieve_inputs(seed=0, B=2, T=3, E=5, K=4, R=3):
+    ks = jax.random.split(jax.random.key(seed), 5)
+    return (jax.random.normal(ks[0], (B, T, E, K)), jax.random.normal(ks[1], (B, T, R, E)),
+            jax.random.normal(ks[2], (R, K)), jax.random.normal(ks[3], (K, R)),
+            jax.random.normal(ks[4], (B, T, E, K)))
+
+
+def test_store_add_and_retrieve_match_einsum_values_and_gradients():
+    """The fused store (X + Σ_r v_r ⊗ s_r) and the transpose-free retrieval give the einsums'
+    values and vector-Jacobian products (fp32 to 1e-5), and the bfloat16 residual rounds once."""
+    x, v, s, a, g = _store_retrieve_inputs()
+
+    def ours(x, v, s, a):
+        y = rmt.store_add(x, v, s, jnp.float32)
+        return rmt.retrieve(y, a)
+
+    def einsums(x, v, s, a):
+        y = x + jnp.einsum("BTRE,RK->BTEK", v, s)
+        return jnp.einsum("BTEK,KR->BTRE", y, a)
+
+    want, vjp_want = jax.vjp(einsums, x, v, s, a)
+    got, vjp_got = jax.vjp(ours, x, v, s, a)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    ct = jax.random.normal(jax.random.key(9), want.shape)
+    for gw, gg in zip(vjp_want(ct), vjp_got(ct)):
+        np.testing.assert_allclose(gg, gw, rtol=1e-5, atol=1e-5)
+    # bfloat16 residual: summed in float32, rounded once; gradients come back in the inputs' dtypes
+    xb = x.astype(jnp.bfloat16)
+    yb, vjp_b = jax.vjp(lambda x, v, s: rmt.store_add(x, v, s, jnp.bfloat16), xb, v, s)
+    assert yb.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(yb.astype(jnp.float32)),
+                                  np.asarray((xb.astype(jnp.float32) + jnp.einsum("BTRE,RK->BTEK", v, s))
+                                             .astype(jnp.bfloat16).astype(jnp.float32)))
+    dx, dv, ds = vjp_b(g.astype(jnp.bfloat16))
+    assert (dx.dtype, dv.dtype, ds.dtype) == (jnp.bfloat16, jnp.float32, jnp.float32)
+
+
+def test_train_step_makes_no_transposed_copy_of_the_residual():
+    """In the compiled forward + backward no instruction writes the residual matrices transposed
+    ([K, B·T·E]): the retrieval and storage weight gradients transpose their R-wide operand
+    instead (XLA's default for the einsums copies X transposed 4 times per layer), and every store
+    is one fused X-sized write (the embedding's with its gather, the layers' with the residual add)."""
+    m = _cfg(num_layers=2, num_heads=2, num_kv_heads=2, head_dim=6, ffn_dim=20, vocab_size=61,
+             rmt=dict(key_dim=5)).model
+    model, params, tokens = _init(m, B=2, T=7)
+    N = 2 * 7 * 6
+
+    def loss(p):
+        return jnp.mean(model.apply({"params": p}, tokens) ** 2)
+
+    hlo = jax.jit(jax.grad(loss)).lower(params).compile().as_text()
+    hlo = hlo[hlo.index("\nENTRY"):]
+    hlo = hlo[:hlo.index("\n}")]  # the top-level instructions: what the step writes
+    assert not re.search(rf"= f32\[5,{N}\]", hlo), "an X-sized transposed copy is back"
+    assert re.search(rf"= f32\[{N},5\]", hlo)  # (the check looks at the right shapes)
+    adds = [ln for ln in hlo.split("\n") if re.search(r"= f32\[2,7,6,5\]", ln) and "jvp(" in ln
+            and "transpose(" not in ln and "/add" in ln]
+    assert len(adds) == 2 * m.num_layers + 1, adds  # two stores per layer + the embedding's
+
+
+def test_bfloat16_residual_dtype():
+    """config.model.rmt.residual_dtype=bfloat16 keeps X in bfloat16 between layers: logits stay
+    close to the float32 model's, greedy KV-cache decoding equals the full forward of the same
+    model, and an unknown dtype is a one-line error naming the key."""
+    from icml_jax.inference.decode import generate
+    m32 = _cfg().model
+    m16 = _cfg(rmt=dict(residual_dtype="bfloat16")).model
+    model32, params, tokens = _init(m32)
+    params = _randomise(params, scale=0.3)
+    l32 = np.asarray(_forward(m32)(params, tokens))
+    l16 = np.asarray(_forward(m16)(params, tokens))
+    assert np.abs(l16 - l32).max() < 0.05 * np.abs(l32).max()
+    assert np.abs(l16 - l32).max() > 0  # (it is a different computation)
+    B, T = tokens.shape
+    x_shape = f"[{B},{T},{m16.head_dim},{m16.rmt.key_dim}]"
+    jaxpr16 = str(jax.make_jaxpr(lambda p, t: build_model(m16).apply({"params": p}, t))(params, tokens))
+    jaxpr32 = str(jax.make_jaxpr(lambda p, t: build_model(m32).apply({"params": p}, t))(params, tokens))
+    assert f"bf16{x_shape}" in jaxpr16 and f"bf16{x_shape}" not in jaxpr32
+    prompt, n = [1, 40, 51], 6
+    out = generate(m16, params, [prompt], key=jax.random.key(0), max_new_tokens=n, temperature=0)
+    buf = np.zeros((1, len(prompt) + n), np.int32)
+    buf[0, :len(prompt)] = prompt
+    fwd = _forward(m16)
+    for i in range(n):
+        buf[0, len(prompt) + i] = int(np.asarray(fwd(params, buf))[0, len(prompt) + i - 1].argmax())
+    np.testing.assert_array_equal(out.tokens[0], buf[0, len(prompt):])
+    with pytest.raises(ValueError, match="config.model.rmt.residual_dtype"):
+        _init(_cfg(rmt=dict(residual_dtype="bf16")).model)
