@@ -13,13 +13,15 @@ import jax.numpy as jnp
 import ml_collections
 
 from icml_jax.models import hetero, hooks
-from icml_jax.models.layers import upcast
+from icml_jax.models.layers import MATMUL_NAME, upcast
 from icml_jax.models.residual import RESIDUALS
 
+_CP = jax.checkpoint_policies
+_MATMULS = _CP.save_only_these_names(MATMUL_NAME)  # layers.matmul's outputs (a custom VJP hides their dot)
 _REMAT_POLICIES = {
     "full": None,  # save nothing, recompute the whole block
-    "dots": jax.checkpoint_policies.dots_saveable,
-    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "dots": _CP.save_from_both_policies(_CP.dots_saveable, _MATMULS),
+    "dots_no_batch": _CP.save_from_both_policies(_CP.dots_with_no_batch_dims_saveable, _MATMULS),
 }
 
 

@@ -5,6 +5,7 @@ from typing import Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16,
            "float64": jnp.float64}
@@ -69,7 +70,9 @@ class RMSNorm(nn.Module):
         return (y * upcast(scale)).astype(self.dtype)
 
 
-@jax.custom_vjp
+MATMUL_NAME = "matmul"  # checkpoint name of matmul's outputs (remat policies save them like dots)
+
+
 def matmul(x, w):
     """``x [..., D] @ w [D, *out] -> [..., *out]`` as one dot over the flattened rows, whose
     backward pass transposes the narrower operand for the weight gradient.
@@ -77,14 +80,21 @@ def matmul(x, w):
     The weight gradient contracts the rows of both x and the output cotangent dy, so one of them
     must be transposed for the CPU matmul. XLA's default for an einsum transposes whichever its
     operand order gives, often the wider one (e.g. the 2F-wide gate/up cotangent, written
-    transposed beside its row-major copy); here it is the narrower one (min(D, out) wide)."""
+    transposed beside its row-major copy); here it is the narrower one (min(D, out) wide).
+    The output carries the checkpoint name ``MATMUL_NAME``: remat's dot policies do not see into
+    a custom VJP, so ``models.decoder``'s "dots" policies save it by name."""
+    return checkpoint_name(_matmul(x, w), MATMUL_NAME)
+
+
+@jax.custom_vjp
+def _matmul(x, w):
     D = x.shape[-1]
     y = jax.lax.dot_general(x.reshape(-1, D), w.reshape(D, -1), (((1,), (0,)), ((), ())))
     return y.reshape(x.shape[:-1] + w.shape[1:])
 
 
 def _matmul_fwd(x, w):
-    return matmul(x, w), (x, w)
+    return _matmul(x, w), (x, w)
 
 
 def _matmul_bwd(res, dy):
@@ -100,4 +110,4 @@ def _matmul_bwd(res, dy):
     return dx.reshape(x.shape).astype(x.dtype), dw.reshape(w.shape).astype(w.dtype)
 
 
-matmul.defvjp(_matmul_fwd, _matmul_bwd)
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)

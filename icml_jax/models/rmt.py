@@ -67,10 +67,11 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from icml_jax.models.attention import (NEG_INF, KVCache, attention_mask, over_causal_blocks,
                                        query_block_count)
-from icml_jax.models.layers import constrain, get_dtype, param, upcast, wide_dtype
+from icml_jax.models.layers import MATMUL_NAME, constrain, get_dtype, param, upcast, wide_dtype
 from icml_jax.models.mlp import ACTIVATIONS
 from icml_jax.models.positions import alibi_distance
 from icml_jax.models.residual import RESIDUALS, OptimizerGroups, Stream, mlp_matrices
@@ -220,7 +221,7 @@ def _key_param(module, c, name, shape, axes):
 
 def retrieve(x_BTEK, a_KR):
     """Retrieval with R keys: [B, T, E, K] x [K, R] -> [B, T, R, E]."""
-    return jnp.swapaxes(retrieve_er(x_BTEK, a_KR.astype(x_BTEK.dtype)), -1, -2)
+    return jnp.swapaxes(_retrieve_er_named(x_BTEK, a_KR.astype(x_BTEK.dtype)), -1, -2)
 
 
 @jax.custom_vjp
@@ -231,6 +232,11 @@ def retrieve_er(x_BTEK, a_KR):
     *lead, K = x_BTEK.shape
     u = jax.lax.dot_general(x_BTEK.reshape(-1, K), a_KR, (((1,), (0,)), ((), ())))
     return u.reshape(*lead, a_KR.shape[1])
+
+
+def _retrieve_er_named(x_BTEK, a_KR):
+    """``retrieve_er`` with its output named like ``layers.matmul``'s, so remat's dot policies keep it."""
+    return checkpoint_name(retrieve_er(x_BTEK, a_KR), MATMUL_NAME)
 
 
 def _retrieve_er_fwd(x_BTEK, a_KR):
@@ -367,7 +373,7 @@ class RMTAttention(nn.Module):
                       _qkv_init(hidden_std(c, "qkv_retrieve"), c.rmt.query_zero_init),
                       (K, 3, R), ("rmt_key", None, "rmt_rank"), pdt)
         B, T, E, _ = x_BTEK.shape
-        qkv_BTECR = retrieve_er(x_BTEK, w_KCR.astype(x_BTEK.dtype).reshape(K, 3 * R)).reshape(B, T, E, 3, R)
+        qkv_BTECR = _retrieve_er_named(x_BTEK, w_KCR.astype(x_BTEK.dtype).reshape(K, 3 * R)).reshape(B, T, E, 3, R)
         q, k, v = (constrain(jnp.moveaxis(qkv_BTECR[:, :, :, i], -1, 2), HEAD_AXES) for i in range(3))
         if self.decode:
             k, v, k_pos, k_seg, q_idx, k_idx = KVCache(name="kv_cache")(k, v, positions_BT, segment_ids_BT)

@@ -47,3 +47,22 @@ def test_train_step_writes_no_transposed_gate_up_cotangent():
     hlo = hlo[:hlo.index("\n}")]
     assert re.search(r"= f32\[24,80\]|= f32\[2,12,2,40\]", hlo)  # (the shapes are the right ones)
     assert not re.search(r"= f32\[80,24\]|= f32\[2,40,2,12\]|= f32\[80,2,12\]", hlo)
+
+
+@pytest.mark.parametrize("preset", ["configs/lm.py:tiny", "configs/rmt.py:tiny"])
+def test_dots_remat_saves_the_custom_vjp_matmuls(preset):
+    """remat="dots" recomputes no matmul: of the FLOPs remat="full" adds to the compiled gradient
+    (the forward's matmuls and elementwise work), "dots" adds under half (the elementwise part; a
+    custom VJP hides its dot from the dots policy, the checkpoint name keeps it saved)."""
+    flops = {}
+    for remat in ("none", "dots", "full"):
+        c = load_config(preset, unlocked=True).model
+        c.remat = remat
+        model = build_model(c)
+        tokens = jnp.zeros((2, 32), jnp.int32)
+        params = jax.jit(model.init)(jax.random.key(0), tokens)["params"]
+        grad = jax.jit(jax.grad(lambda p: jnp.mean(model.apply({"params": p}, tokens) ** 2)))
+        cost = grad.lower(params).compile().cost_analysis()
+        flops[remat] = (cost[0] if isinstance(cost, list) else cost)["flops"]
+    # the part of full remat's recompute that "dots" still does: elementwise work only
+    assert flops["dots"] - flops["none"] < 0.45 * (flops["full"] - flops["none"]), flops
