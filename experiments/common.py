@@ -6,6 +6,7 @@ Every experiment writes through these so that a killed run never leaves a half-w
 is already computed instead of clobbering it (DESIGN.md, "Conventions").
 """
 import csv
+import functools
 import hashlib
 import json
 import math
@@ -33,9 +34,12 @@ def write_csv(path: str, rows: Iterable[Mapping], fieldnames: Sequence[str]) -> 
     write_atomic(path, write, newline="")
 
 
+@functools.cache
 def git_commit() -> str:
     """Short hash of the checkout's HEAD (provenance line of results.md), ``+dirty`` when tracked
-    files differ from it (the run used uncommitted code), or ``unknown``."""
+    files differ from it (the run used uncommitted code), or ``unknown``. Read once per process:
+    ``start`` reads it when a run begins, so a commit made while a long run goes on is not
+    credited with the run's results."""
     here = os.path.dirname(os.path.abspath(__file__))
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -245,6 +249,7 @@ def start(doc: str, presets: Mapping, argv=None):
     ap.add_argument("--preset", default="default", choices=sorted(presets))
     args = ap.parse_args(argv)
     xla_env.use_defaults()
+    git_commit()  # the provenance is the code the run starts with
     elapsed = stopwatch()
     os.makedirs(args.workdir, exist_ok=True)
     return args, presets[args.preset], elapsed
