@@ -16,7 +16,7 @@ shared machine hit all models alike). Reported: step time min and median, their 
 transformer, parameters and train FLOPs/token (``icml_jax.analysis.flops``). The paper reports
 +4% wall-clock for the RMT; the target here is a gap within 25%. The ``rmt_matched_bf16res*`` rows
 are the matched RMTs with the opt-in ``config.model.rmt.residual_dtype=bfloat16``; whether that
-trains as well is checked after the timing (``residual_dtype_quality``: the experiment's matched
+changes training is checked after the timing (``residual_dtype_quality``: the experiment's matched
 RMT trained per seed both ways, final dev loss).
 Results: benchmarks/results/rmt_cost.{json,md} (written atomically).
 """

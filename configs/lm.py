@@ -83,7 +83,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.rmt.param = "mup"  # mup (reference, zero unembedding) | lecun (paper variant study)
     c.model.rmt.query_zero_init = False  # reference's zeroing is a no-op; True applies it
     # dtype of the residual matrices X between layers: "" = config.model.dtype (reference);
-    # "bfloat16" halves X's memory traffic (norms, adds and dots still accumulate in float32)
+    # "bfloat16" stores X in half the bytes (norms, adds and dots still accumulate in float32)
     c.model.rmt.residual_dtype = ""
     # muP (rmt.param="mup"): base widths define the width ratios (0 = the model's own width, so
     # ratio 1, as the reference's train script runs); hidden kernels' lr is divided by the ratio.

@@ -73,3 +73,10 @@ def subprocess_env(devices: int = 1, **extra: str) -> dict:
     env["JAX_PLATFORMS"] = "cpu"
     env.update(extra)
     return env
+
+
+def entry_computation(hlo_text: str) -> str:
+    """The ENTRY computation of a compiled module's HLO text: the top-level instructions, i.e. the
+    buffers a step writes (fused computations' internals left out)."""
+    entry = hlo_text[hlo_text.index("\nENTRY"):]
+    return entry[:entry.index("\n}")]

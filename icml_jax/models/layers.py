@@ -1,4 +1,5 @@
 """Shared building blocks: logically-partitioned params, dtypes, RMSNorm, layer-order sorting."""
+import math
 import re
 from typing import Sequence
 
@@ -74,22 +75,27 @@ MATMUL_NAME = "matmul"  # checkpoint name of matmul's outputs (remat policies sa
 
 
 def matmul(x, w):
-    """``x [..., D] @ w [D, *out] -> [..., *out]`` as one dot over the flattened rows, whose
+    """``x [..., D] @ w [D, *out] -> [..., *out]`` as one dot over the flattened rows of x, whose
     backward pass transposes the narrower operand for the weight gradient.
 
     The weight gradient contracts the rows of both x and the output cotangent dy, so one of them
     must be transposed for the CPU matmul. XLA's default for an einsum transposes whichever its
     operand order gives, often the wider one (e.g. the 2F-wide gate/up cotangent, written
     transposed beside its row-major copy); here it is the narrower one (min(D, out) wide).
+    w keeps its axes (a sharded axis inside a flattened one would make GSPMD gather w); x's
+    leading axes are flattened (only the major one, batch, is sharded by our rules).
     The output carries the checkpoint name ``MATMUL_NAME``: remat's dot policies do not see into
     a custom VJP, so ``models.decoder``'s "dots" policies save it by name."""
     return checkpoint_name(_matmul(x, w), MATMUL_NAME)
 
 
+def _rows(x):
+    return x.reshape(-1, x.shape[-1])
+
+
 @jax.custom_vjp
 def _matmul(x, w):
-    D = x.shape[-1]
-    y = jax.lax.dot_general(x.reshape(-1, D), w.reshape(D, -1), (((1,), (0,)), ((), ())))
+    y = jax.lax.dot_general(_rows(x), w, (((1,), (0,)), ((), ())))  # [N, *out]
     return y.reshape(x.shape[:-1] + w.shape[1:])
 
 
@@ -99,15 +105,14 @@ def _matmul_fwd(x, w):
 
 def _matmul_bwd(res, dy):
     x, w = res
-    D = x.shape[-1]
-    x2, w2 = x.reshape(-1, D), w.reshape(D, -1)
-    dy2 = dy.reshape(x2.shape[0], w2.shape[1])
-    dx = jax.lax.dot_general(dy2, w2, (((1,), (1,)), ((), ())))
-    if D <= w2.shape[1]:  # transpose x (D wide): dw = x^T dy
-        dw = jax.lax.dot_general(x2, dy2, (((0,), (0,)), ((), ())))
+    x2, out = _rows(x), tuple(range(1, w.ndim))
+    dy2 = dy.reshape((x2.shape[0],) + w.shape[1:])
+    dx = jax.lax.dot_general(dy2, w, ((out, out), ((), ())))  # [N, D]
+    if x.shape[-1] <= math.prod(w.shape[1:]):  # transpose x (D wide): dw = x^T dy
+        dw = jax.lax.dot_general(x2, dy2, (((0,), (0,)), ((), ())))  # [D, *out]
     else:  # transpose dy (out wide): dw = (dy^T x)^T
-        dw = jax.lax.dot_general(dy2, x2, (((0,), (0,)), ((), ()))).T
-    return dx.reshape(x.shape).astype(x.dtype), dw.reshape(w.shape).astype(w.dtype)
+        dw = jnp.moveaxis(jax.lax.dot_general(dy2, x2, (((0,), (0,)), ((), ()))), -1, 0)
+    return dx.reshape(x.shape).astype(x.dtype), dw.astype(w.dtype)
 
 
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)

@@ -67,11 +67,10 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-from jax.ad_checkpoint import checkpoint_name
 
 from icml_jax.models.attention import (NEG_INF, KVCache, attention_mask, over_causal_blocks,
                                        query_block_count)
-from icml_jax.models.layers import MATMUL_NAME, constrain, get_dtype, param, upcast, wide_dtype
+from icml_jax.models.layers import constrain, get_dtype, matmul, param, upcast, wide_dtype
 from icml_jax.models.mlp import ACTIVATIONS
 from icml_jax.models.positions import alibi_distance
 from icml_jax.models.residual import RESIDUALS, OptimizerGroups, Stream, mlp_matrices
@@ -220,43 +219,15 @@ def _key_param(module, c, name, shape, axes):
 
 
 def retrieve(x_BTEK, a_KR):
-    """Retrieval with R keys: [B, T, E, K] x [K, R] -> [B, T, R, E]."""
-    return jnp.swapaxes(_retrieve_er_named(x_BTEK, a_KR.astype(x_BTEK.dtype)), -1, -2)
-
-
-@jax.custom_vjp
-def retrieve_er(x_BTEK, a_KR):
-    """[B, T, E, K] x [K, R] -> [B, T, E, R]: one matmul over the B·T·E rows of X, with no transposed
-    copy of X in the forward or the backward pass (the weight gradient transposes the R-wide
-    cotangent instead, XLA's default transposes the K-wide X)."""
-    *lead, K = x_BTEK.shape
-    u = jax.lax.dot_general(x_BTEK.reshape(-1, K), a_KR, (((1,), (0,)), ((), ())))
-    return u.reshape(*lead, a_KR.shape[1])
-
-
-def _retrieve_er_named(x_BTEK, a_KR):
-    """``retrieve_er`` with its output named like ``layers.matmul``'s, so remat's dot policies keep it."""
-    return checkpoint_name(retrieve_er(x_BTEK, a_KR), MATMUL_NAME)
-
-
-def _retrieve_er_fwd(x_BTEK, a_KR):
-    return retrieve_er(x_BTEK, a_KR), (x_BTEK, a_KR)
-
-
-def _retrieve_er_bwd(res, g_BTER):
-    x_BTEK, a_KR = res
-    K, R = a_KR.shape
-    g = g_BTER.reshape(-1, R)
-    dx = jax.lax.dot_general(g, a_KR, (((1,), (1,)), ((), ())))  # [N, K]
-    da = jax.lax.dot_general(g, x_BTEK.reshape(-1, K), (((0,), (0,)), ((), ())))  # [R, K]
-    return dx.reshape(x_BTEK.shape).astype(x_BTEK.dtype), da.T.astype(a_KR.dtype)
-
-
-retrieve_er.defvjp(_retrieve_er_fwd, _retrieve_er_bwd)
+    """Retrieval with R keys: [B, T, E, K] x [K, R] -> [B, T, R, E]: one matmul over the B·T·E
+    rows of X (``layers.matmul``: no transposed copy of X in the forward or backward pass; the
+    weight gradient transposes the R-wide cotangent)."""
+    return jnp.swapaxes(matmul(x_BTEK, a_KR.astype(x_BTEK.dtype)), -1, -2)
 
 
 def store(v_BTRE, s_RK):
-    """Storage of R vectors under R keys: [B, T, R, E] x [R, K] -> [B, T, E, K] (sum over R)."""
+    """Storage of R vectors under R keys: [B, T, R, E] x [R, K] -> [B, T, E, K] (sum over R); the
+    model adds it to X with ``store_add``."""
     return jnp.einsum("BTRE,RK->BTEK", v_BTRE, s_RK.astype(v_BTRE.dtype))
 
 
@@ -273,8 +244,13 @@ def store_add(x_BTEK, v_BTRE, s_RK, dtype):
 
     Forward as one elementwise pass (X + Σ_r v_r ⊗ s_r, R unrolled) instead of a dot whose [B, T,
     E, K] output is written and read back by the add: the contraction is only R long, so the step
-    is bound by the X-sized memory traffic, not by the multiply-adds. Backward: the dots of
-    ``store``'s own gradient (dX passes through)."""
+    is bound by the X-sized memory traffic, not by the multiply-adds (``store`` is the einsum it
+    replaces). Backward: dv = dX s^T and
+    ds = v^T dX as dots in at least float32 (dX passes through).
+
+    Numerics: in float32 the values and gradients equal X + ``store(v, s)`` to rounding (1e-5; the order of the R-term sum differs). With a bfloat16 compute dtype the
+    update is summed in float32 and rounded once; the einsum version rounded the product to
+    bfloat16 before the add."""
     wide = wide_dtype(jnp.result_type(v_BTRE.dtype, s_RK.dtype))
     v, s = v_BTRE.astype(wide), s_RK.astype(wide)
     upd = v[:, :, 0, :, None] * s[0]
@@ -290,12 +266,13 @@ def _store_add_fwd(x_BTEK, v_BTRE, s_RK, dtype):
 def _store_add_bwd(dtype, res, g_BTEK):
     v_BTRE, s_RK, x_like = res
     R, K = s_RK.shape
-    g = g_BTEK.reshape(-1, K)
+    # in the forward's precision (at least float32, whatever the residual's dtype)
+    wide = wide_dtype(jnp.result_type(v_BTRE.dtype, s_RK.dtype, g_BTEK.dtype))
+    g = g_BTEK.reshape(-1, K).astype(wide)
     # both products keep dX [B·T·E, K] as it is (rows x K); only the R-wide operands are transposed
-    dv = jax.lax.dot_general(g, s_RK.astype(g.dtype), (((1,), (1,)), ((), ())),
-                             preferred_element_type=wide_dtype(g.dtype))  # [B·T·E, R]
-    v_NR = jnp.swapaxes(v_BTRE, -1, -2).reshape(-1, R).astype(g.dtype)
-    ds = jax.lax.dot_general(v_NR, g, (((0,), (0,)), ((), ())), preferred_element_type=wide_dtype(g.dtype))
+    dv = jax.lax.dot_general(g, s_RK.astype(wide), (((1,), (1,)), ((), ())))  # [B·T·E, R]
+    v_NR = jnp.swapaxes(v_BTRE, -1, -2).reshape(-1, R).astype(wide)
+    ds = jax.lax.dot_general(v_NR, g, (((0,), (0,)), ((), ())))
     dv = jnp.swapaxes(dv.reshape(g_BTEK.shape[:-1] + (R,)), -1, -2).astype(v_BTRE.dtype)
     return g_BTEK.astype(x_like.dtype), dv, ds.astype(s_RK.dtype)
 
@@ -372,8 +349,7 @@ class RMTAttention(nn.Module):
         w_KCR = param(self, "qkv_retrieve",
                       _qkv_init(hidden_std(c, "qkv_retrieve"), c.rmt.query_zero_init),
                       (K, 3, R), ("rmt_key", None, "rmt_rank"), pdt)
-        B, T, E, _ = x_BTEK.shape
-        qkv_BTECR = _retrieve_er_named(x_BTEK, w_KCR.astype(x_BTEK.dtype).reshape(K, 3 * R)).reshape(B, T, E, 3, R)
+        qkv_BTECR = matmul(x_BTEK, w_KCR.astype(x_BTEK.dtype))
         q, k, v = (constrain(jnp.moveaxis(qkv_BTECR[:, :, :, i], -1, 2), HEAD_AXES) for i in range(3))
         if self.decode:
             k, v, k_pos, k_seg, q_idx, k_idx = KVCache(name="kv_cache")(k, v, positions_BT, segment_ids_BT)

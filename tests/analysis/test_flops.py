@@ -54,10 +54,9 @@ def _dot_flops(jaxpr) -> int:
     one elementwise pass, not a dot; it counts as the R multiply-adds per entry it does."""
     total = 0
     for eqn in jaxpr.eqns:
-        shapes = [v.aval.shape for v in eqn.invars]
-        if (eqn.primitive.name == "custom_vjp_call" and len(shapes) == 3 and len(shapes[2]) == 2
-                and eqn.outvars[0].aval.shape == shapes[0] and shapes[1][2] == shapes[2][0]):
-            total += 2 * shapes[2][0] * int(np.prod(shapes[0]))
+        if eqn.primitive.name == "custom_vjp_call" and "_store_add_bwd" in str(eqn.params.get("bwd")):
+            x_shape, _, s_shape = (v.aval.shape for v in eqn.invars)
+            total += 2 * s_shape[0] * int(np.prod(x_shape))
             continue
         if eqn.primitive.name == "dot_general":
             (lc, _), _ = eqn.params["dimension_numbers"]

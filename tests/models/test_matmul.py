@@ -1,15 +1,18 @@
 """``icml_jax.models.layers.matmul``: einsum values and gradients, and the layout it exists for (the
 train step writes no transposed copy of the MLP's 2F-wide gate/up cotangent)."""
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from icml_jax.config_utils import load_config
+from icml_jax.config_utils import REPO_ROOT, load_config
 from icml_jax.models import build_model
 from icml_jax.models.layers import matmul
+from tests.jax_env import entry_computation, subprocess_env
 
 
 @pytest.mark.parametrize("x_shape,w_shape", [((2, 3, 4), (4, 10)),  # D < out: x transposed
@@ -42,9 +45,7 @@ def test_train_step_writes_no_transposed_gate_up_cotangent():
     def loss(p):
         return jnp.mean(model.apply({"params": p}, tokens) ** 2)
 
-    hlo = jax.jit(jax.grad(loss)).lower(params).compile().as_text()
-    hlo = hlo[hlo.index("\nENTRY"):]
-    hlo = hlo[:hlo.index("\n}")]
+    hlo = entry_computation(jax.jit(jax.grad(loss)).lower(params).compile().as_text())
     assert re.search(r"= f32\[24,80\]|= f32\[2,12,2,40\]", hlo)  # (the shapes are the right ones)
     assert not re.search(r"= f32\[80,24\]|= f32\[2,40,2,12\]|= f32\[80,2,12\]", hlo)
 
@@ -66,3 +67,31 @@ def test_dots_remat_saves_the_custom_vjp_matmuls(preset):
         flops[remat] = (cost[0] if isinstance(cost, list) else cost)["flops"]
     # the part of full remat's recompute that "dots" still does: elementwise work only
     assert flops["dots"] - flops["none"] < 0.45 * (flops["full"] - flops["none"]), flops
+
+
+_SHARD_SCRIPT = r"""
+import jax, jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from icml_jax.models.layers import matmul
+import numpy as np
+mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("fsdp", "tensor"))
+x = jax.ShapeDtypeStruct((8, 6, 16), jnp.float32, sharding=NamedSharding(mesh, P("fsdp")))
+w = jax.ShapeDtypeStruct((16, 2, 24), jnp.float32, sharding=NamedSharding(mesh, P("fsdp", None, "tensor")))
+ein = lambda x, w: jnp.einsum("BTD,DCF->BTCF", x, w)
+def collectives(mm):
+    f = jax.jit(jax.grad(lambda x, w: jnp.sum(mm(x, w) ** 2), argnums=(0, 1)))
+    hlo = f.lower(x, w).compile().as_text()
+    return sum(hlo.count(op) for op in (" all-gather(", " all-to-all(", " collective-permute("))
+print("RESULT", collectives(matmul), collectives(ein))
+"""
+
+
+def test_matmul_keeps_a_tensor_parallel_kernel_sharded():
+    """On a (fsdp 2, tensor 2) mesh, the gradient of a [D, 2, F] kernel whose F is split over
+    `tensor` (the gated MLP's wi) needs no more gathers or permutes with matmul than with the
+    einsum: matmul keeps w's axes (flattening 2F would make GSPMD gather the kernel)."""
+    p = subprocess.run([sys.executable, "-c", _SHARD_SCRIPT], cwd=REPO_ROOT, env=subprocess_env(4),
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    ours, einsum = map(int, [x for x in p.stdout.splitlines() if x.startswith("RESULT")][-1].split()[1:])
+    assert ours <= einsum, (ours, einsum)

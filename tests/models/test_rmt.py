@@ -23,7 +23,7 @@ from icml_jax.config_utils import REPO_ROOT, load_config
 from icml_jax.models import build_model
 from icml_jax.models import rmt
 from icml_jax.losses.logps import log_normalizer, token_logprobs, with_z_loss
-from tests.jax_env import subprocess_env
+from tests.jax_env import entry_computation, subprocess_env
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "rmt_reference.npz")
 
@@ -597,8 +597,13 @@ def test_store_add_and_retrieve_match_einsum_values_and_gradients():
     np.testing.assert_array_equal(np.asarray(yb.astype(jnp.float32)),
                                   np.asarray((xb.astype(jnp.float32) + jnp.einsum("BTRE,RK->BTEK", v, s))
                                              .astype(jnp.bfloat16).astype(jnp.float32)))
-    dx, dv, ds = vjp_b(g.astype(jnp.bfloat16))
+    gb = g.astype(jnp.bfloat16)
+    dx, dv, ds = vjp_b(gb)
     assert (dx.dtype, dv.dtype, ds.dtype) == (jnp.bfloat16, jnp.float32, jnp.float32)
+    # the float32 operands stay float32 in the backward dots (only the cotangent is bfloat16)
+    _, vjp_f = jax.vjp(lambda v, s: jnp.einsum("BTRE,RK->BTEK", v, s), v, s)
+    for got_, want_ in zip((dv, ds), vjp_f(gb.astype(jnp.float32))):
+        np.testing.assert_allclose(got_, want_, rtol=1e-5, atol=1e-5)
 
 
 def test_train_step_makes_no_transposed_copy_of_the_residual():
@@ -614,9 +619,7 @@ def test_train_step_makes_no_transposed_copy_of_the_residual():
     def loss(p):
         return jnp.mean(model.apply({"params": p}, tokens) ** 2)
 
-    hlo = jax.jit(jax.grad(loss)).lower(params).compile().as_text()
-    hlo = hlo[hlo.index("\nENTRY"):]
-    hlo = hlo[:hlo.index("\n}")]  # the top-level instructions: what the step writes
+    hlo = entry_computation(jax.jit(jax.grad(loss)).lower(params).compile().as_text())
     assert not re.search(rf"= f32\[5,{N}\]", hlo), "an X-sized transposed copy is back"
     assert re.search(rf"= f32\[{N},5\]", hlo)  # (the check looks at the right shapes)
     adds = [ln for ln in hlo.split("\n") if re.search(r"= f32\[2,7,6,5\]", ln) and "jvp(" in ln
