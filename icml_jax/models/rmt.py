@@ -245,12 +245,15 @@ def store_add(x_BTEK, v_BTRE, s_RK, dtype):
     Forward as one elementwise pass (X + Σ_r v_r ⊗ s_r, R unrolled) instead of a dot whose [B, T,
     E, K] output is written and read back by the add: the contraction is only R long, so the step
     is bound by the X-sized memory traffic, not by the multiply-adds (``store`` is the einsum it
-    replaces). Backward: dv = dX s^T and
-    ds = v^T dX as dots in at least float32 (dX passes through).
+    replaces). Backward: dv = dX s^T and ds = v^T dX as dots in at least float32 (dX passes
+    through).
 
-    Numerics: in float32 the values and gradients equal X + ``store(v, s)`` to rounding (1e-5; the order of the R-term sum differs). With a bfloat16 compute dtype the
-    update is summed in float32 and rounded once; the einsum version rounded the product to
-    bfloat16 before the add."""
+    Numerics: in float32 the values and gradients equal X + ``store(v, s)`` to rounding (1e-5;
+    the R-term sum runs in another order). With a bfloat16 compute dtype the update is summed in
+    float32 and rounded once; the einsum version rounded the product to bfloat16 before the add.
+    Under tensor parallelism (R split over ``tensor``) the unrolled sum reads every r, so GSPMD
+    gathers v's R heads ([B, T, R, E]) where the einsum all-reduced X-sized partial sums; this
+    has not been timed on a real mesh."""
     wide = wide_dtype(jnp.result_type(v_BTRE.dtype, s_RK.dtype))
     v, s = v_BTRE.astype(wide), s_RK.astype(wide)
     upd = v[:, :, 0, :, None] * s[0]
