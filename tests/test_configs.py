@@ -53,3 +53,18 @@ def test_an_older_saved_config_is_completed_at_load_and_resumes():
     assert done["model"]["rope_floor_ratio"] == 1.0 and done["model"]["position"] == "fope"
     assert not any(workdir_lib.config_changes(done, new).values())
     assert complete_config(["not", "a", "config"]) == ["not", "a", "config"]
+
+
+def test_precision_keys_are_free_on_resume():
+    """model.dtype and model.rmt.residual_dtype change how the same params are computed, so a run
+    may resume with another value (a saved config without the newer key too)."""
+    import json
+    from icml_jax.train import workdir as workdir_lib
+    saved = json.loads(load_config("configs/rmt.py:tiny").to_json_best_effort())
+    new = json.loads(json.dumps(saved))
+    new["model"]["rmt"]["residual_dtype"], new["model"]["dtype"] = "bfloat16", "bfloat16"
+    assert not any(workdir_lib.config_changes(saved, new).values())
+    del saved["model"]["rmt"]["residual_dtype"]
+    assert not any(workdir_lib.config_changes(saved, new).values())
+    new["model"]["rmt"]["key_dim"] = 8  # (a param-shape key is still refused)
+    assert workdir_lib.config_changes(saved, new)["fixed"]

@@ -329,12 +329,10 @@ class Attention(nn.Module):
                                   (k_BSGK, v_BSGK), (mask_BTS, bias))
 
     def project_out(self, o_BTGRK):
-        if self.decode:  # one [B*T, G*R*K] x [G*R*K, D] matmul: XLA's layout choice for the einsum
-            B, T, G, R, K = o_BTGRK.shape  # copied the whole transposed W_O at every decode step
-            y_BTD = jnp.dot(o_BTGRK.reshape(B, T, G * R * K), self.w_out.astype(o_BTGRK.dtype).reshape(G * R * K, -1))
-        else:
-            B, T, G, R, K = o_BTGRK.shape
-            y_BTD = matmul(o_BTGRK.reshape(B, T, G * R * K), self.w_out.astype(o_BTGRK.dtype).reshape(G * R * K, -1))
+        # one [B*T, G*R*K] x [G*R*K, D] matmul (G, tensor-sharded, stays the merged axis' major
+        # part): for the einsum, XLA copied the whole transposed W_O at every decode step
+        B, T, G, R, K = o_BTGRK.shape
+        y_BTD = matmul(o_BTGRK.reshape(B, T, G * R * K), self.w_out.astype(o_BTGRK.dtype).reshape(G * R * K, -1))
         return y_BTD if self.lowrank is None else y_BTD + lowrank.out_delta(self.lowrank, o_BTGRK)
 
     def __call__(self, x_BTD, positions_BT, segment_ids_BT):

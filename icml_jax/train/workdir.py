@@ -40,10 +40,9 @@ MANIFEST = "checksums.json"
 _FIXED_PREFIXES = ("task", "seed", "model.", "data.", "train.batch_size")
 # keys under those prefixes that change neither the state nor the data: a location (moving the
 # TFDS folder does not change the data) and how the same params are computed
-_FREE_KEYS = ("data.data_dir", "model.remat", "model.dtype")
+_FREE_KEYS = ("data.data_dir", "model.remat", "model.dtype", "model.rmt.residual_dtype")
 # config keys added later, with the value that means "as before": a run saved without one resumes
-ADDED_DEFAULTS = {"model.lowrank": 0, "model.blocks.attention": "", "model.blocks.ffn": "",
-                  "model.rmt.residual_dtype": ""}
+ADDED_DEFAULTS = {"model.lowrank": 0, "model.blocks.attention": "", "model.blocks.ffn": ""}
 # keys that define the learning-rate schedule (optimizer.lr_schedule)
 SCHEDULE_KEYS = ("train.steps", "train.lr", "train.warmup_steps", "train.min_lr_ratio")
 # files and folders of a run that start_over moves aside
