@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from icml_jax.models import hooks, lowrank
-from icml_jax.models.layers import constrain, get_dtype, matmul, param, upcast
+from icml_jax.models.layers import constrain, get_dtype, matmul, param, row_max, row_sum, upcast
 from icml_jax.models.positions import POSITIONS
 
 NEG_INF = -1e30
@@ -110,6 +110,112 @@ def over_causal_blocks(fn, n: int, q_tree, k_tree, ts_tree):
                        jax.tree.map(lambda x: x[:, :hi], k_tree),
                        jax.tree.map(lambda x: x[..., lo:hi, :hi], ts_tree)))
     return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *outs)
+
+
+def causal_attention(q_BTGRK, k_BSGK, v_BSGK, mask_BTS, bias=None, n: int = 1):
+    """``_softmax_attend`` over the queries' own keys (training / scoring without a cache) in n
+    causal query blocks (:func:`over_causal_blocks`' skipping), with a hand-written VJP.
+
+    Same numbers as the autodiff of ``over_causal_blocks(_softmax_attend)`` (float32: ~1e-6;
+    tested), at less memory traffic on the CPU, measured on ``small``'s shapes:
+      * the R query heads of a KV head and a block's c queries are one matrix dimension M = R*c,
+        so each (B, G) pair runs plain [M, K] x [K, S] dots, and q / dout are laid out block-major
+        once ([B, G, n, M, K]) instead of sliced and transposed per block;
+      * the forward keeps e = exp(z - max) and its row sums l and divides the [M, K] output, not
+        the [M, S] probabilities;
+      * the backward takes the softmax's row term from the outputs, rowsum(dout * out) ([M, K]),
+        not from a pass over the [M, S] matrices, and needs no mask (e is exactly 0 where masked:
+        every row sees at least its own key, which holds for causal rows with segment ids).
+    ``bias`` (ALiBi) is any array broadcastable to [B, G, R, T, S]; its cotangent is returned
+    (and dropped by XLA where nothing needs it)."""
+    return _causal_attention(n, q_BTGRK, k_BSGK, v_BSGK, mask_BTS, bias)
+
+
+def _blocks(x_BTGRK, n: int):
+    """[B, T, G, R, K] -> [B, G, n, R*c, K] (query block i, its R heads and c queries as M)."""
+    B, T, G, R, K = x_BTGRK.shape
+    c = T // n
+    return jnp.transpose(x_BTGRK.reshape(B, n, c, G, R, K), (0, 3, 1, 4, 2, 5)).reshape(B, G, n, R * c, K)
+
+
+def _unblocks(x_BGnMK, R: int):
+    """The inverse of :func:`_blocks`."""
+    B, G, n, M, K = x_BGnMK.shape
+    c = M // R
+    return jnp.transpose(x_BGnMK.reshape(B, G, n, R, c, K), (0, 2, 4, 1, 3, 5)).reshape(B, n * c, G, R, K)
+
+
+def _block_ts(x, shape_BGRTS, i: int, c: int):
+    """Query block i's rows of a [.., T, S] mask or bias broadcastable to [B, G, R, T, S], keys
+    [0, (i+1)c), as [B or 1, G or 1, R*c, (i+1)c] (the R axis broadcast into M)."""
+    B, G, R, T, S = shape_BGRTS
+    x = x[..., i * c:(i + 1) * c, :(i + 1) * c]
+    x = x.reshape((1,) * (5 - x.ndim) + x.shape)
+    x = jnp.broadcast_to(x, x.shape[:2] + (R,) + x.shape[3:])
+    return x.reshape(x.shape[:2] + (R * c, (i + 1) * c))
+
+
+def _causal_fwd(n, q_BTGRK, k_BSGK, v_BSGK, mask_BTS, bias):
+    B, T, G, R, K = q_BTGRK.shape
+    c, shape = T // n, (B, G, R, T, T)
+    scale = K ** -0.5
+    q_BGnMK = _blocks(q_BTGRK, n)
+    k_BGSK = jnp.transpose(k_BSGK, (0, 2, 1, 3))
+    v_BGSK = jnp.transpose(v_BSGK, (0, 2, 1, 3))
+    mask_B1TS = mask_BTS[:, None, None]
+    outs, es, ls = [], [], []
+    for i in range(n):
+        hi = (i + 1) * c
+        z = upcast(jnp.einsum("BGMK,BGSK->BGMS", q_BGnMK[:, :, i], k_BGSK[:, :, :hi])) * scale
+        if bias is not None:
+            z = z + _block_ts(bias, shape, i, c)
+        z = jnp.where(_block_ts(mask_B1TS, shape, i, c), z, NEG_INF)
+        e = jnp.exp(z - row_max(z))
+        l = row_sum(e)
+        outs.append(upcast(jnp.einsum("BGMS,BGSK->BGMK", e.astype(v_BSGK.dtype), v_BGSK[:, :, :hi])) / l)
+        es.append(e)
+        ls.append(l)
+    o_BGnMK = jnp.stack(outs, axis=2)
+    res = (q_BGnMK, k_BGSK, v_BGSK, es, ls, o_BGnMK, bias)
+    return _unblocks(o_BGnMK, R).astype(v_BSGK.dtype), res
+
+
+def _causal_bwd(n, res, do_BTGRK):
+    q_BGnMK, k_BGSK, v_BGSK, es, ls, o_BGnMK, bias = res
+    B, G, _, M, K = q_BGnMK.shape
+    T = k_BGSK.shape[2]
+    c = T // n
+    R = M // c
+    scale = K ** -0.5
+    do_BGnMK = upcast(_blocks(do_BTGRK, n))
+    delta_BGnM1 = jnp.sum(do_BGnMK * o_BGnMK, axis=-1, keepdims=True)
+    dqs, dk, dv, dbias = [], 0.0, 0.0, None
+    if bias is not None:
+        dbias = jnp.zeros(jnp.broadcast_shapes(bias.shape, (1, 1, 1, T, T)), jnp.float32)
+    for i in range(n):
+        hi = (i + 1) * c
+        e, l, do = es[i], ls[i], do_BGnMK[:, :, i]
+        dp = jnp.einsum("BGMK,BGSK->BGMS", do, upcast(v_BGSK[:, :, :hi]))
+        g = e * (dp - delta_BGnM1[:, :, i]) / l  # d logits (after the bias, before the mask)
+        if bias is not None:
+            gb = g.reshape(B, G, R, c, hi)
+            gb = gb.sum(axis=tuple(a for a in range(3) if dbias.shape[a] == 1), keepdims=True)
+            dbias = dbias.at[..., i * c:hi, :hi].add(gb.reshape(dbias.shape[:3] + (c, hi)))
+        g = g * scale
+        dqs.append(jnp.einsum("BGMS,BGSK->BGMK", g, upcast(k_BGSK[:, :, :hi])))
+        pad = [(0, 0), (0, 0), (0, T - hi), (0, 0)]
+        dk = dk + jnp.pad(jnp.einsum("BGMS,BGMK->BGSK", g, upcast(q_BGnMK[:, :, i])), pad)
+        dv = dv + jnp.pad(jnp.einsum("BGMS,BGMK->BGSK", e, do / l), pad)
+    dq = _unblocks(jnp.stack(dqs, axis=2), R).astype(q_BGnMK.dtype)
+    dk = jnp.transpose(dk, (0, 2, 1, 3)).astype(k_BGSK.dtype)
+    dv = jnp.transpose(dv, (0, 2, 1, 3)).astype(v_BGSK.dtype)
+    if bias is not None:
+        dbias = dbias.reshape(dbias.shape[dbias.ndim - bias.ndim:]).astype(bias.dtype)
+    return dq, dk, dv, None, dbias
+
+
+_causal_attention = jax.custom_vjp(lambda n, *args: _causal_fwd(n, *args)[0], nondiff_argnums=(0,))
+_causal_attention.defvjp(_causal_fwd, _causal_bwd)
 
 
 class KVCache(nn.Module):
@@ -324,9 +430,10 @@ class Attention(nn.Module):
             return o.reshape(B, T, G, R, K)
         if self.decode and not causal_rows:  # queries against the KV cache
             return _decode_attend(q_BTGRK, k_BSGK, v_BSGK, mask_BTS, bias)
-        n = query_block_count(self.cfg, T, k_BSGK.shape[1]) if causal_rows else 1
-        return over_causal_blocks(lambda q, kv, ts: _softmax_attend(q, *kv, *ts), n, q_BTGRK,
-                                  (k_BSGK, v_BSGK), (mask_BTS, bias))
+        if causal_rows:
+            return causal_attention(q_BTGRK, k_BSGK, v_BSGK, mask_BTS, bias,
+                                    query_block_count(self.cfg, T, k_BSGK.shape[1]))
+        return _softmax_attend(q_BTGRK, k_BSGK, v_BSGK, mask_BTS, bias)
 
     def project_out(self, o_BTGRK):
         # one [B*T, G*R*K] x [G*R*K, D] matmul (G, tensor-sharded, stays the merged axis' major

@@ -53,6 +53,54 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
     return nn.with_logical_constraint(x, tuple(axes))
 
 
+def materialize(fn, x):
+    """``fn(x)`` (a pytree of arrays), computed once into buffers by XLA:CPU: inside a conditional
+    whose two branches are both ``fn`` (its predicate, x's first element == itself, is known only
+    at run time, so XLA keeps the boundary and cannot fuse fn into each consumer). For cheap
+    tables that many large elementwise fusions read (the RoPE sines and cosines: recomputed per
+    element of q and k otherwise). Plain ``fn(x)`` on other backends (a GPU conditional reads its
+    predicate on the host) and for a single position per row (decode steps)."""
+    if jax.default_backend() != "cpu" or x.ndim < 2 or x.shape[1] <= 1:
+        return fn(x)
+    first = x.reshape(-1)[0].astype(jnp.float32)  # a float compare is never folded (NaN)
+    return jax.lax.cond(first == first, fn, fn, x)
+
+
+ROW_CHUNK = 32  # XLA:CPU's tree-reduction rewrite leaves reductions of up to this many alone
+
+
+def _fold_chunks(op, x):
+    """x [..., S] -> [..., c]: its chunks of c = ``ROW_CHUNK`` combined elementwise with ``op``
+    (x itself when S <= c or c does not divide S)."""
+    S, c = x.shape[-1], ROW_CHUNK
+    if S <= c or S % c:
+        return x
+    y = x[..., :c]
+    for j in range(1, S // c):
+        y = op(y, x[..., j * c:(j + 1) * c])
+    return y
+
+
+def row_max(x):
+    """max over the last axis (keepdims), as an elementwise fold of 32-wide chunks and one short
+    reduction. XLA:CPU rewrites a reduction over more than 32 elements into a reduce-window +
+    reduce pair that cannot fuse with its producer (the producer is written out for it), and it
+    merges a reduce of a reduce back into one; an elementwise fold fuses into the reduction."""
+    return jnp.max(_fold_chunks(jnp.maximum, x), axis=-1, keepdims=True)
+
+
+@jax.custom_jvp
+def row_sum(x):
+    """sum over the last axis (keepdims), formed like :func:`row_max` (the summation order differs
+    from ``jnp.sum``'s in the last bits); its derivative is ``jnp.sum``'s (a broadcast)."""
+    return jnp.sum(_fold_chunks(jnp.add, x), axis=-1, keepdims=True)
+
+
+@row_sum.defjvp
+def _row_sum_jvp(primals, tangents):
+    return row_sum(primals[0]), jnp.sum(tangents[0], axis=-1, keepdims=True)
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm over the last axis with a learned gain (Llama style, eps inside sqrt).
 
@@ -67,7 +115,7 @@ class RMSNorm(nn.Module):
         scale = param(self, "scale", nn.initializers.ones, (x.shape[-1],), (self.axis_name,),
                       self.param_dtype)
         x32 = upcast(x)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        y = x32 * jax.lax.rsqrt(row_sum(x32 * x32) / x.shape[-1] + self.eps)
         return (y * upcast(scale)).astype(self.dtype)
 
 

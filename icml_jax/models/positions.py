@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from icml_jax.models.layers import get_dtype, param, upcast, wide_dtype
+from icml_jax.models.layers import get_dtype, materialize, param, upcast, wide_dtype
 from icml_jax.registry import Registry
 
 POSITIONS = Registry("position embedding", "config.model.position")
@@ -86,13 +86,22 @@ def floor_clip_mask(inv_freq: np.ndarray, train_len: int, ratio: float = 1.0) ->
     return ~(np.asarray(inv_freq, np.float32) < floor)
 
 
-def apply_rotary(x, pos, inv_freq):
-    """Half-split rotation (the layout HF Llama checkpoints use) of x [B, T, ..., K] at pos [B, T].
+def rotary_tables(pos, inv_freq, dtype):
+    """(cos, sin) [B, T, K/2] of the angles pos * inv_freq in ``dtype``, each computed once
+    (``layers.materialize``: XLA:CPU otherwise fused the sine and cosine into every fusion that
+    reads them, recomputing them per element of q, k and their gradients)."""
+    ang = pos.astype(dtype)[..., None] * inv_freq
+    return materialize(lambda a: (jnp.cos(a), jnp.sin(a)), ang)
+
+
+def apply_rotary(x, pos, inv_freq, tables=None):
+    """Half-split rotation (the layout HF Llama checkpoints use) of x [B, T, ..., K] at pos [B, T]
+    (``tables``: :func:`rotary_tables` of pos, if already made).
 
     Computed in float32 (float64 for a float64 x), returned in x's dtype."""
-    ang = pos.astype(wide_dtype(x.dtype))[..., None] * inv_freq  # [B, T, K/2]
-    ang = ang.reshape(ang.shape[:2] + (1,) * (x.ndim - 3) + ang.shape[-1:])
-    return apply_cos_sin(x, jnp.cos(ang), jnp.sin(ang))
+    cos, sin = tables or rotary_tables(pos, inv_freq, wide_dtype(x.dtype))
+    shape = cos.shape[:2] + (1,) * (x.ndim - 3) + cos.shape[-1:]
+    return apply_cos_sin(x, cos.reshape(shape), sin.reshape(shape))
 
 
 def apply_cos_sin(x, cos, sin):
@@ -154,7 +163,8 @@ class RoPE(PositionEmbedding):
 
     def __call__(self, q, k, q_pos, k_pos):
         inv_freq = self.inv_freq(q.shape[-1])
-        return apply_rotary(q, q_pos, inv_freq), apply_rotary(k, k_pos, inv_freq)
+        tables = rotary_tables(q_pos, inv_freq, wide_dtype(q.dtype)) if q_pos is k_pos else None
+        return apply_rotary(q, q_pos, inv_freq, tables), apply_rotary(k, k_pos, inv_freq, tables)
 
 
 POSITIONS.register("nope")(PositionEmbedding)

@@ -1,0 +1,123 @@
+"""The training attention core and the reductions and tables around it: ``attention.causal_attention``
+(hand-written VJP) against the autodiff of the blocked einsum attention, ``layers.row_max`` /
+``layers.row_sum`` against jnp's reductions and the compiled program they exist for, and
+``layers.materialize`` (the RoPE tables computed once)."""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from icml_jax.config_utils import load_config
+from icml_jax.models import attention as A
+from icml_jax.models import build_model
+from icml_jax.models.layers import materialize, row_max, row_sum
+from tests.jax_env import entry_computation
+
+B, T, G, R, K = 2, 16, 2, 2, 8
+
+
+def _inputs(dtype=jnp.float32, window=5):
+    ks = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(ks[0], (B, T, G, R, K), dtype)
+    k, v = (jax.random.normal(kk, (B, T, G, K), dtype) for kk in ks[1:3])
+    idx = jnp.broadcast_to(jnp.arange(T), (B, T))
+    seg = jnp.asarray([[1] * 9 + [2] * 7, [1] * T])  # packed documents in row 0
+    pos = jnp.asarray([list(range(9)) + list(range(7)), list(range(T))])
+    mask = A.attention_mask(seg, seg, idx, idx, pos, pos, window)
+    return q, k, v, mask, jax.random.normal(ks[3], (B, T, G, R, K), dtype)
+
+
+def _reference(q, k, v, mask, bias, n):
+    return A.over_causal_blocks(lambda q, kv, ts: A._softmax_attend(q, *kv, *ts), n, q, (k, v),
+                                (mask, bias))
+
+
+@pytest.mark.parametrize("n", [1, 4])
+@pytest.mark.parametrize("bias_shape", [None, (B, G, R, T, T), (1, G, R, T, T), (B, 1, 1, T, T)])
+def test_causal_attention_values_and_vjp_equal_autodiff(n, bias_shape):
+    """Outputs and the gradients of q, k, v and the bias (ALiBi-style, full or broadcast) equal
+    the autodiff of the blocked einsum attention to float32 rounding: packed documents, a
+    sliding window, GQA, one block or four."""
+    q, k, v, mask, do = _inputs()
+    bias = None if bias_shape is None else jax.random.normal(jax.random.key(5), bias_shape)
+    args = (q, k, v) if bias is None else (q, k, v, bias)
+    fns = {name: (lambda *a, f=f: f(*a[:3], mask, a[3] if len(a) > 3 else None, n))
+           for name, f in (("want", _reference), ("got", A.causal_attention))}
+    (want, vjp_want), (got, vjp_got) = (jax.vjp(fns[k_], *args) for k_ in ("want", "got"))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    for a, b in zip(vjp_got(do), vjp_want(do)):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-6)
+
+
+def test_causal_attention_bfloat16_close_to_autodiff():
+    """bf16 inputs: same output dtype and values within bf16 rounding of the autodiff path (the
+    backward runs in float32 here, so it is at least as exact)."""
+    q, k, v, mask, do = _inputs(jnp.bfloat16)
+    want, vjp_want = jax.vjp(lambda *a: _reference(*a, mask, None, 4), q, k, v)
+    got, vjp_got = jax.vjp(lambda *a: A.causal_attention(*a, mask, None, 4), q, k, v)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.float32(got), np.float32(want), atol=3e-2)
+    for a, b in zip(vjp_got(do), vjp_want(do)):
+        assert a.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.float32(a), np.float32(b), atol=6e-2)
+
+
+@pytest.mark.parametrize("S", [7, 32, 96, 100])
+def test_row_reductions_equal_jnp(S):
+    """row_max / row_sum (chunked when 32 divides S) equal jnp.max / jnp.sum, and row_sum's
+    gradient is the broadcast."""
+    x = jax.random.normal(jax.random.key(1), (3, 5, S))
+    np.testing.assert_array_equal(row_max(x), jnp.max(x, axis=-1, keepdims=True))
+    np.testing.assert_allclose(row_sum(x), jnp.sum(x, axis=-1, keepdims=True), rtol=1e-6, atol=1e-5)
+    g = jax.grad(lambda x: jnp.sum(row_sum(x) * jnp.arange(5.0)[:, None]))(x)
+    np.testing.assert_array_equal(g, jnp.broadcast_to(jnp.arange(5.0)[:, None], x.shape))
+
+
+def test_attention_step_has_no_reduce_window():
+    """The compiled forward and backward of the core at S = 128 keys (> 32) contain no
+    reduce-window: XLA:CPU rewrites a long reduction into one (unfusable, its input is written
+    out), which ``jnp.max`` / ``jnp.sum`` over the keys get and the chunked fold does not."""
+    Tl = 128
+    ks = jax.random.split(jax.random.key(2), 3)
+    q = jax.random.normal(ks[0], (1, Tl, 1, 2, 16))
+    k, v = (jax.random.normal(kk, (1, Tl, 1, 16)) for kk in ks[1:])
+    mask = jnp.tril(jnp.ones((Tl, Tl), bool))[None]
+    loss = lambda f, *a: jnp.sum(f(*a, mask, None, 2) ** 2)  # noqa: E731
+
+    def hlo(f):
+        return jax.jit(jax.grad(lambda *a: loss(f, *a), argnums=(0, 1, 2))).lower(q, k, v).compile().as_text()
+
+    assert "reduce-window" in hlo(_reference)  # the rewrite this guards against happens here
+    assert "reduce-window" not in hlo(A.causal_attention)
+
+
+def test_materialize_is_a_runtime_boundary_with_fn_values():
+    """materialize(fn, x) == fn(x); on the CPU it is one conditional (both branches fn), and a
+    single position per row (decode) is computed inline."""
+    x = jnp.arange(24.0).reshape(2, 3, 4)
+    fn = lambda a: (jnp.cos(a), jnp.sin(a))  # noqa: E731
+    for got, want in zip(materialize(fn, x), fn(x)):
+        np.testing.assert_array_equal(got, want)
+    compiled = lambda a: jax.jit(lambda a: materialize(fn, a)).lower(a).compile().as_text()  # noqa: E731
+    assert "conditional(" in compiled(x)
+    assert "conditional(" not in compiled(x[:, :1])
+
+
+def test_rope_tables_computed_once_per_layer():
+    """In the compiled gradient of a RoPE decoder the sines are computed in the tables only (one
+    table per layer shared by q and k, inside the conditional's two branches); without
+    ``materialize`` XLA fused a sine into every consumer of q's and k's rotation."""
+    c = load_config("configs/lm.py:tiny", unlocked=True).model
+    model = build_model(c)
+    tokens = jnp.zeros((2, 12), jnp.int32)
+    params = jax.jit(model.init)(jax.random.key(0), tokens)["params"]
+
+    def loss(p):
+        return jnp.mean(model.apply({"params": p}, tokens) ** 2)
+
+    text = jax.jit(jax.grad(loss)).lower(params).compile().as_text()
+    assert "conditional(" in entry_computation(text)
+    assert len(re.findall(r"\ssine\(", text)) <= 2 * c.num_layers, len(re.findall(r"\ssine\(", text))
