@@ -112,7 +112,7 @@ def over_causal_blocks(fn, n: int, q_tree, k_tree, ts_tree):
     return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *outs)
 
 
-def causal_attention(q_BTGRK, k_BSGK, v_BSGK, mask_BTS, bias=None, n: int = 1):
+def causal_attention(q_BTGRK, k_BSGK, v_BSGK, mask_BTS, bias=None, n: int = 1, row_scale=None):
     """``_softmax_attend`` over the queries' own keys (training / scoring without a cache) in n
     causal query blocks (:func:`over_causal_blocks`' skipping), with a hand-written VJP.
 
@@ -127,8 +127,10 @@ def causal_attention(q_BTGRK, k_BSGK, v_BSGK, mask_BTS, bias=None, n: int = 1):
         not from a pass over the [M, S] matrices, and needs no mask (e is exactly 0 where masked:
         every row sees at least its own key, which holds for causal rows with segment ids).
     ``bias`` (ALiBi) is any array broadcastable to [B, G, R, T, S]; its cotangent is returned
-    (and dropped by XLA where nothing needs it)."""
-    return _causal_attention(n, q_BTGRK, k_BSGK, v_BSGK, mask_BTS, bias)
+    (and dropped by XLA where nothing needs it). The logits are q.k * K^-0.5, or q.k *
+    ``row_scale`` [B] (one factor per batch row, the RMT's scale / (layer + 1); treated as a
+    constant: no gradient flows to it)."""
+    return _causal_attention(n, q_BTGRK, k_BSGK, v_BSGK, mask_BTS, bias, row_scale)
 
 
 def _blocks(x_BTGRK, n: int):
@@ -155,10 +157,15 @@ def _block_ts(x, shape_BGRTS, i: int, c: int):
     return x.reshape(x.shape[:2] + (R * c, (i + 1) * c))
 
 
-def _causal_fwd(n, q_BTGRK, k_BSGK, v_BSGK, mask_BTS, bias):
+def _logit_scale(row_scale, K: int):
+    """K^-0.5, or ``row_scale`` [B] as [B, 1, 1, 1] against [B, G, M, S] logits."""
+    return K ** -0.5 if row_scale is None else row_scale.reshape(-1, 1, 1, 1)
+
+
+def _causal_fwd(n, q_BTGRK, k_BSGK, v_BSGK, mask_BTS, bias, row_scale):
     B, T, G, R, K = q_BTGRK.shape
     c, shape = T // n, (B, G, R, T, T)
-    scale = K ** -0.5
+    scale = _logit_scale(row_scale, K)
     q_BGnMK = _blocks(q_BTGRK, n)
     k_BGSK = jnp.transpose(k_BSGK, (0, 2, 1, 3))
     v_BGSK = jnp.transpose(v_BSGK, (0, 2, 1, 3))
@@ -176,19 +183,19 @@ def _causal_fwd(n, q_BTGRK, k_BSGK, v_BSGK, mask_BTS, bias):
         es.append(e)
         ls.append(l)
     o_BGnMK = jnp.stack(outs, axis=2)
-    res = (q_BGnMK, k_BGSK, v_BGSK, es, ls, o_BGnMK, bias)
+    res = (q_BGnMK, k_BGSK, v_BGSK, es, ls, o_BGnMK, bias, row_scale)
     return _unblocks(o_BGnMK, R).astype(v_BSGK.dtype), res
 
 
 def _causal_bwd(n, res, do_BTGRK):
-    q_BGnMK, k_BGSK, v_BGSK, es, ls, o_BGnMK, bias = res
+    q_BGnMK, k_BGSK, v_BGSK, es, ls, o_BGnMK, bias, row_scale = res
     B, G, _, M, K = q_BGnMK.shape
     T = k_BGSK.shape[2]
     c = T // n
     R = M // c
-    scale = K ** -0.5
+    scale = _logit_scale(row_scale, K)
     do_BGnMK = upcast(_blocks(do_BTGRK, n))
-    delta_BGnM1 = jnp.sum(do_BGnMK * o_BGnMK, axis=-1, keepdims=True)
+    delta_BGnM1 = row_sum(do_BGnMK * o_BGnMK)
     dqs, dk, dv, dbias = [], 0.0, 0.0, None
     if bias is not None:
         dbias = jnp.zeros(jnp.broadcast_shapes(bias.shape, (1, 1, 1, T, T)), jnp.float32)
@@ -211,7 +218,7 @@ def _causal_bwd(n, res, do_BTGRK):
     dv = jnp.transpose(dv, (0, 2, 1, 3)).astype(v_BGSK.dtype)
     if bias is not None:
         dbias = dbias.reshape(dbias.shape[dbias.ndim - bias.ndim:]).astype(bias.dtype)
-    return dq, dk, dv, None, dbias
+    return dq, dk, dv, None, dbias, None
 
 
 _causal_attention = jax.custom_vjp(lambda n, *args: _causal_fwd(n, *args)[0], nondiff_argnums=(0,))

@@ -68,7 +68,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from icml_jax.models.attention import (NEG_INF, KVCache, attention_mask, over_causal_blocks,
+from icml_jax.models.attention import (NEG_INF, KVCache, attention_mask, causal_attention,
                                        query_block_count)
 from icml_jax.models.layers import constrain, get_dtype, matmul, param, upcast, wide_dtype
 from icml_jax.models.mlp import ACTIVATIONS
@@ -365,11 +365,23 @@ class RMTAttention(nn.Module):
     def attend(self, q_BTRE, k_BSRE, v_BSRE, mask_BTS, layer_B1, q_pos_BT, k_pos_BS):
         """float32 softmax attention: z = (q·k)·scale / (ℓ+1) - m_r (t_pos - s_pos); without a
         cache in causal query blocks (``config.model.attention_block``, as the transformer)."""
-        T, S = q_BTRE.shape[1], k_BSRE.shape[1]
-        n = 1 if self.decode else query_block_count(self.cfg, T, S)
-        return over_causal_blocks(
-            lambda q, kv, m: self._attend(q[0], kv[0], kv[1], m, layer_B1, q[1], kv[2]), n,
-            (q_BTRE, q_pos_BT), (k_BSRE, v_BSRE, k_pos_BS), mask_BTS)
+        if self.decode:
+            return self._attend(q_BTRE, k_BSRE, v_BSRE, mask_BTS, layer_B1, q_pos_BT, k_pos_BS)
+        # without a cache: the transformer's causal core, the R heads as its KV-head axis
+        c = self.cfg
+        B, T, R, E = q_BTRE.shape
+        q, k, v = upcast(q_BTRE), upcast(k_BSRE), upcast(v_BSRE)
+        dt = q.dtype  # float32, or float64 for a float64 model
+        scale = jnp.full((B,), attention_scale(c), dt)
+        if c.rmt.inverse_layer_scaling:
+            scale = scale / (layer_B1[:, 0] + 1).astype(dt)
+        bias = None
+        if c.rmt.position == "alibi":
+            m_R = jnp.asarray(alibi_slopes(R, dt))
+            bias = -m_R[None, :, None, None, None] * alibi_distance(q_pos_BT, k_pos_BS, dt)[:, None, None]
+        o = causal_attention(q[:, :, :, None], k, v, mask_BTS, bias,
+                             query_block_count(c, T, k.shape[1]), row_scale=scale)
+        return o.reshape(B, T, R, E)
 
     def _attend(self, q_BTRE, k_BSRE, v_BSRE, mask_BTS, layer_B1, q_pos_BT, k_pos_BS):
         c = self.cfg
