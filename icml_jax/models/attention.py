@@ -134,17 +134,18 @@ def causal_attention(q_BTGRK, k_BSGK, v_BSGK, mask_BTS, bias=None, n: int = 1, r
 
 
 def _blocks(x_BTGRK, n: int):
-    """[B, T, G, R, K] -> [B, G, n, R*c, K] (query block i, its R heads and c queries as M)."""
+    """[B, T, G, R, K] -> [n, B, G, R*c, K]: query block i (block-major, so each block is one
+    contiguous operand), its R heads and c queries as M."""
     B, T, G, R, K = x_BTGRK.shape
     c = T // n
-    return jnp.transpose(x_BTGRK.reshape(B, n, c, G, R, K), (0, 3, 1, 4, 2, 5)).reshape(B, G, n, R * c, K)
+    return jnp.transpose(x_BTGRK.reshape(B, n, c, G, R, K), (1, 0, 3, 4, 2, 5)).reshape(n, B, G, R * c, K)
 
 
-def _unblocks(x_BGnMK, R: int):
+def _unblocks(x_nBGMK, R: int):
     """The inverse of :func:`_blocks`."""
-    B, G, n, M, K = x_BGnMK.shape
+    n, B, G, M, K = x_nBGMK.shape
     c = M // R
-    return jnp.transpose(x_BGnMK.reshape(B, G, n, R, c, K), (0, 2, 4, 1, 3, 5)).reshape(B, n * c, G, R, K)
+    return jnp.transpose(x_nBGMK.reshape(n, B, G, R, c, K), (1, 0, 4, 2, 3, 5)).reshape(B, n * c, G, R, K)
 
 
 def _block_ts(x, shape_BGRTS, i: int, c: int):
@@ -166,14 +167,14 @@ def _causal_fwd(n, q_BTGRK, k_BSGK, v_BSGK, mask_BTS, bias, row_scale):
     B, T, G, R, K = q_BTGRK.shape
     c, shape = T // n, (B, G, R, T, T)
     scale = _logit_scale(row_scale, K)
-    q_BGnMK = _blocks(q_BTGRK, n)
+    q_nBGMK = _blocks(q_BTGRK, n)
     k_BGSK = jnp.transpose(k_BSGK, (0, 2, 1, 3))
     v_BGSK = jnp.transpose(v_BSGK, (0, 2, 1, 3))
     mask_B1TS = mask_BTS[:, None, None]
     outs, es, ls = [], [], []
     for i in range(n):
         hi = (i + 1) * c
-        z = upcast(jnp.einsum("BGMK,BGSK->BGMS", q_BGnMK[:, :, i], k_BGSK[:, :, :hi])) * scale
+        z = upcast(jnp.einsum("BGMK,BGSK->BGMS", q_nBGMK[i], k_BGSK[:, :, :hi])) * scale
         if bias is not None:
             z = z + _block_ts(bias, shape, i, c)
         z = jnp.where(_block_ts(mask_B1TS, shape, i, c), z, NEG_INF)
@@ -182,28 +183,28 @@ def _causal_fwd(n, q_BTGRK, k_BSGK, v_BSGK, mask_BTS, bias, row_scale):
         outs.append(upcast(jnp.einsum("BGMS,BGSK->BGMK", e.astype(v_BSGK.dtype), v_BGSK[:, :, :hi])) / l)
         es.append(e)
         ls.append(l)
-    o_BGnMK = jnp.stack(outs, axis=2)
-    res = (q_BGnMK, k_BGSK, v_BGSK, es, ls, o_BGnMK, bias, row_scale)
-    return _unblocks(o_BGnMK, R).astype(v_BSGK.dtype), res
+    o_nBGMK = jnp.stack(outs)
+    res = (q_nBGMK, k_BGSK, v_BGSK, es, ls, o_nBGMK, bias, row_scale)
+    return _unblocks(o_nBGMK, R).astype(v_BSGK.dtype), res
 
 
 def _causal_bwd(n, res, do_BTGRK):
-    q_BGnMK, k_BGSK, v_BGSK, es, ls, o_BGnMK, bias, row_scale = res
-    B, G, _, M, K = q_BGnMK.shape
+    q_nBGMK, k_BGSK, v_BGSK, es, ls, o_nBGMK, bias, row_scale = res
+    _, B, G, M, K = q_nBGMK.shape
     T = k_BGSK.shape[2]
     c = T // n
     R = M // c
     scale = _logit_scale(row_scale, K)
-    do_BGnMK = upcast(_blocks(do_BTGRK, n))
-    delta_BGnM1 = row_sum(do_BGnMK * o_BGnMK)
+    do_nBGMK = upcast(_blocks(do_BTGRK, n))
+    delta_nBGM1 = row_sum(do_nBGMK * o_nBGMK)
     dqs, dk, dv, dbias = [], 0.0, 0.0, None
     if bias is not None:
         dbias = jnp.zeros(jnp.broadcast_shapes(bias.shape, (1, 1, 1, T, T)), jnp.float32)
     for i in range(n):
         hi = (i + 1) * c
-        e, l, do = es[i], ls[i], do_BGnMK[:, :, i]
+        e, l, do = es[i], ls[i], do_nBGMK[i]
         dp = jnp.einsum("BGMK,BGSK->BGMS", do, upcast(v_BGSK[:, :, :hi]))
-        g = e * (dp - delta_BGnM1[:, :, i]) / l  # d logits (after the bias, before the mask)
+        g = e * (dp - delta_nBGM1[i]) / l  # d logits (after the bias, before the mask)
         if bias is not None:
             gb = g.reshape(B, G, R, c, hi)
             gb = gb.sum(axis=tuple(a for a in range(3) if dbias.shape[a] == 1), keepdims=True)
@@ -211,9 +212,9 @@ def _causal_bwd(n, res, do_BTGRK):
         g = g * scale
         dqs.append(jnp.einsum("BGMS,BGSK->BGMK", g, upcast(k_BGSK[:, :, :hi])))
         pad = [(0, 0), (0, 0), (0, T - hi), (0, 0)]
-        dk = dk + jnp.pad(jnp.einsum("BGMS,BGMK->BGSK", g, upcast(q_BGnMK[:, :, i])), pad)
+        dk = dk + jnp.pad(jnp.einsum("BGMS,BGMK->BGSK", g, upcast(q_nBGMK[i])), pad)
         dv = dv + jnp.pad(jnp.einsum("BGMS,BGMK->BGSK", e, do / l), pad)
-    dq = _unblocks(jnp.stack(dqs, axis=2), R).astype(q_BGnMK.dtype)
+    dq = _unblocks(jnp.stack(dqs), R).astype(q_nBGMK.dtype)
     dk = jnp.transpose(dk, (0, 2, 1, 3)).astype(k_BGSK.dtype)
     dv = jnp.transpose(dv, (0, 2, 1, 3)).astype(v_BGSK.dtype)
     if bias is not None:
