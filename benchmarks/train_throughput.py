@@ -203,6 +203,9 @@ def child_ours(spec: dict) -> dict:
         jax.block_until_ready((box["state"], box["metrics"]))
 
     run()  # warm-up step (allocations, thread pools)
+    if spec.get("trim", True):  # as the train loop does after its first step
+        from icml_jax import xla_env
+        xla_env.release_host_memory()
     times, steady = _steady_peak(run, spec["steps"], rss0_now)
     n_params = sum(x.size for x in jax.tree.leaves(box["state"].params))
     out = _timing(times, B * T, train_flops_per_token(config.model, T))
@@ -263,6 +266,9 @@ def child_torch(spec: dict) -> dict:
 
     run()
     run()
+    if spec.get("trim", True):  # the same treatment as ours: freed heap pages returned
+        from icml_jax import xla_env
+        xla_env.release_host_memory()
     times, steady = _steady_peak(run, spec["steps"], rss0_now)
     out = _timing(times, B * T, train_flops_per_token(config.model, T))
     out.update(params=int(sum(p.numel() for p in params)), loss=box["loss"],
@@ -376,17 +382,17 @@ def markdown(res: dict) -> str:
             f"{_fmt_mb(o.get('xla_step_bytes'))} / {_fmt_mb(o.get('steady_peak_bytes'))} / "
             f"{_fmt_mb(o.get('rss_growth_bytes'))} | {_fmt_mb(t.get('steady_peak_bytes'))} / "
             f"{_fmt_mb(t.get('rss_growth_bytes'))} |")
-    lines += ["", "Other variants (tokens/s, step time min / median):", "",
-              "| preset | variant | tok/s | step min | step median | TFLOP/s | MFU |",
-              "|---|---|---|---|---|---|---|"]
+    lines += ["", "Other variants (tokens/s, step time min / median, steady RSS):", "",
+              "| preset | variant | tok/s | step min | step median | TFLOP/s | MFU | steady RSS |",
+              "|---|---|---|---|---|---|---|---|"]
     for preset, row in res["presets"].items():
         for key, r in row.items():
             if isinstance(r, dict) and "tokens_per_s" in r:
                 lines.append(f"| {preset} | {key} | {r['tokens_per_s']:,.0f} | {r['step_s_min'] * 1e3:,.0f} ms"
                              f" | {r['step_s_median'] * 1e3:,.0f} ms | {r['model_tflops_per_s']:.3f} | "
-                             f"{r.get('mfu_vs_measured_peak', 0):.0%} |")
+                             f"{r.get('mfu_vs_measured_peak', 0):.0%} | {_fmt_mb(r.get('steady_peak_bytes'))} |")
             elif isinstance(r, dict) and "error" in r:
-                lines.append(f"| {preset} | {key} | error | {str(r['error'])[-120:]!r} | | | |")
+                lines.append(f"| {preset} | {key} | error | {str(r['error'])[-120:]!r} | | | | |")
     lines += ["", "Dense fp32 matmul (GFLOP/s, best of the repetitions; M×K×N):", "",
               "| shape | jax | torch |", "|---|---|---|"]
     jg, tg = res["matmul"].get("jax", {}).get("gflops", {}), res["matmul"].get("torch", {}).get("gflops", {})
@@ -400,7 +406,9 @@ def markdown(res: dict) -> str:
               "model was built: params, optimizer state, activations and whatever the runtime "
               "keeps, the number comparable across frameworks; RSS growth = `ru_maxrss` of the "
               "child from before the model is built to after the last step (for jax this "
-              "includes the XLA compiler's peak). "
+              "includes the XLA compiler's peak). Both children return their freed heap pages to the "
+              "OS after the warm-up (`xla_env.release_host_memory`, glibc `malloc_trim(0)`, which our "
+              "train loop calls after its first step); the `*_no_trim` rows skip it. "
               f"A/B rows: {', '.join(f'`{k}` = ours with config.model {v}' for k, v in AB_VARIANTS.items())}. "
               "`ours_default_flags` = the same step under jax's default XLA flags. Torch: "
               "`LlamaForCausalLM` fp32, AdamW (decay on matrices only, like ours) + grad-norm clip, "
@@ -460,6 +468,10 @@ def main(argv=None) -> dict:
         if not args.skip_ab:
             runs += [(name, {"kind": "ours", "model_overrides": o, **common}, ours_flags)
                      for name, o in AB_VARIANTS.items()]
+            runs.append(("ours_no_trim", {"kind": "ours", "trim": False, **common}, ours_flags))
+            if not args.skip_torch:
+                runs.append(("torch_sdpa_no_trim", {"kind": "torch", "attn": "sdpa", "threads": threads,
+                                                    "trim": False, **common}, None))
         if not args.skip_torch:
             runs.append(("torch_sdpa", {"kind": "torch", "attn": "sdpa", "threads": threads, **common}, None))
         if not args.skip_default_flags:

@@ -21,7 +21,7 @@ ALLOWED = {
     "tasks": {"models", "losses", "data"},
     "interop": {"models", "data"},
     "compress": {"models", "data", "losses", "analysis", "inference"},
-    "train": {"tasks", "models", "losses", "data", "analysis", "inference"},
+    "train": {"tasks", "models", "losses", "data", "analysis", "inference", "xla_env"},  # release_host_memory
 }
 ENTRY_POINTS = {"main", "sample", "toedit", "launch_local", "evaluate", "lm_eval_adapter",
                 "__init__"}  # may import anything

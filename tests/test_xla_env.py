@@ -130,3 +130,29 @@ def test_entry_points_turn_on_the_compilation_cache_unless_configured(tmp_path):
     assert runs["on"] == str(cache) and any(cache.iterdir())  # executables were written
     assert runs["off"] == "None" and not (tmp_path / "xdg").exists()
     assert runs["jax"] == mine and not os.path.exists(str(cache) + "_no")
+
+
+def test_release_host_memory_returns_freed_heap_pages():
+    """Freed small malloc blocks below a live one stay resident until the trim returns them."""
+    import ctypes
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+
+    def rss_mib():
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+    blocks = []
+    for _ in range(100_000):  # 100 MiB of 1 KiB blocks: heap memory, not separate mappings
+        p = libc.malloc(1024)
+        ctypes.memset(p, 1, 1024)
+        blocks.append(p)
+    keep = libc.malloc(1024)  # a live block above them keeps the heap from shrinking on free
+    for p in blocks:
+        libc.free(p)
+    before = rss_mib()
+    assert xla_env.release_host_memory()
+    after = rss_mib()
+    libc.free(keep)
+    assert before - after > 50, (before, after)

@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
 from icml_jax import sharding as mesh_lib
-from icml_jax import tasks
+from icml_jax import tasks, xla_env
 from icml_jax.analysis.flops import train_flops_per_token
 from icml_jax.data import mass as data_mass
 from icml_jax.models import contract as model_contract
@@ -599,6 +599,7 @@ def _train(config, workdir: str, task, shape, stop: _StopOnSignal) -> tuple[Trai
                           "to resume", stop.signum)
 
     extra_ckpts = frozenset(t.get("checkpoint_steps") or ())
+    first_eval = True
     try:
         for step in range(start, t.steps):
             if stop.requested(step, t.log_every):
@@ -609,6 +610,8 @@ def _train(config, workdir: str, task, shape, stop: _StopOnSignal) -> tuple[Trai
                     writer.write(step, refresh(step, state))
             batch = to_global(next(data_iter))
             state, metrics = train_step(state, batch)
+            if step == start:  # the step is compiled: hand the compiler's freed memory back
+                xla_env.release_host_memory()
             s = step + 1
             pending.append((s, metrics))
             bar.update(1)
@@ -618,6 +621,9 @@ def _train(config, workdir: str, task, shape, stop: _StopOnSignal) -> tuple[Trai
                 flush()
             if do_eval:
                 ev = evaluate(eval_step, state.params, eval_batches, to_global, perplexity)
+                if first_eval:  # the eval step is compiled too
+                    xla_env.release_host_memory()
+                    first_eval = False
                 writer.write(s, ev)
                 summary.update(ev)
                 bar.write(f"step {s}: eval_loss={ev['eval_loss']:.4f}" + (

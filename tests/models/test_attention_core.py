@@ -1,7 +1,8 @@
 """The training attention core and the reductions and tables around it: ``attention.causal_attention``
 (hand-written VJP) against the autodiff of the blocked einsum attention, ``layers.row_max`` /
-``layers.row_sum`` against jnp's reductions and the compiled program they exist for, and
-``layers.materialize`` (the RoPE tables computed once)."""
+``layers.row_sum`` / ``layers.col_sum`` against jnp's reductions and the compiled program they exist
+for, ``layers.rms_norm`` (hand-written VJP) against autodiff, and ``layers.materialize`` (the RoPE
+tables computed once)."""
 import re
 
 import jax
@@ -12,7 +13,7 @@ import pytest
 from icml_jax.config_utils import load_config
 from icml_jax.models import attention as A
 from icml_jax.models import build_model
-from icml_jax.models.layers import materialize, row_max, row_sum
+from icml_jax.models.layers import col_sum, materialize, rms_norm, row_max, row_sum, upcast
 from tests.jax_env import entry_computation
 
 B, T, G, R, K = 2, 16, 2, 2, 8
@@ -121,3 +122,46 @@ def test_rope_tables_computed_once_per_layer():
     text = jax.jit(jax.grad(loss)).lower(params).compile().as_text()
     assert "conditional(" in entry_computation(text)
     assert len(re.findall(r"\ssine\(", text)) <= 2 * c.num_layers, len(re.findall(r"\ssine\(", text))
+
+
+def test_causal_attention_row_scale_equals_scaled_queries():
+    """row_scale [B] replaces K^-0.5 row by row (the RMT's scale / (layer + 1)): equal to the
+    default path with q multiplied by row_scale * sqrt(K), values and q/k/v gradients."""
+    q, k, v, mask, do = _inputs()
+    rs = jnp.asarray([0.2, 0.05])
+    got, vjp_got = jax.vjp(lambda q, k, v: A.causal_attention(q, k, v, mask, None, 4, row_scale=rs), q, k, v)
+    f = (rs * K ** 0.5)[:, None, None, None, None]
+    want, vjp_want = jax.vjp(lambda q, k, v: A.causal_attention(q * f, k, v, mask, None, 4), q, k, v)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    for a, b in zip(vjp_got(do), vjp_want(do)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-6)
+
+
+def _rms_autodiff(x, scale, eps, dtype):
+    x32 = upcast(x)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * upcast(scale)).astype(dtype)
+
+
+@pytest.mark.parametrize("shape,dtype", [((2, 64, 96), jnp.float32), ((3, 5, 16), jnp.float32),
+                                         ((2, 64, 96), jnp.bfloat16)])
+def test_rms_norm_values_and_vjp_equal_autodiff(shape, dtype):
+    """rms_norm's output and its x / gain gradients equal the autodiff of the plain formula (the
+    64-row case folds the gain gradient's rows, the 15-row one does not); bf16 in and out."""
+    kx, kg, kd = jax.random.split(jax.random.key(3), 3)
+    x = jax.random.normal(kx, shape, dtype)
+    g = 1 + 0.1 * jax.random.normal(kg, shape[-1:])
+    dy = jax.random.normal(kd, shape, dtype)
+    want, vjp_want = jax.vjp(lambda x, g: _rms_autodiff(x, g, 1e-5, dtype), x, g)
+    got, vjp_got = jax.vjp(lambda x, g: rms_norm(x, g, 1e-5, dtype), x, g)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == jnp.float32 else dict(rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(np.float32(got), np.float32(want), **tol)
+    for a, b in zip(vjp_got(dy), vjp_want(dy)):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_allclose(np.float32(a), np.float32(b), **tol)
+
+
+@pytest.mark.parametrize("shape", [(4, 16, 8), (3, 5, 8), (64, 3)])
+def test_col_sum_equals_sum_over_leading_axes(shape):
+    x = jax.random.normal(jax.random.key(4), shape)
+    np.testing.assert_allclose(col_sum(x), jnp.sum(x.reshape(-1, shape[-1]), axis=0), rtol=1e-5, atol=1e-5)
