@@ -199,6 +199,21 @@ class _MLPBase(nn.Module):
         return y_BTD, acts_BTF
 
 
+def glu(gate_fn, h_BT2F):
+    """act(gate) * up of the fused pre-activations h [..., 2, F] (gate, then up), rematerialised:
+    the backward pass recomputes act(gate) from h, its only residual. Autodiff kept act(gate) and
+    silu's sigmoid as two more [.., F] buffers per layer; without them the `small` step's XLA
+    temporaries fall 454 -> 368 MiB and `20m`'s 698 -> 568 MiB, and the step is no slower (the
+    recompute is one elementwise pass; in-process A/B 605 -> 598 ms and 1473 -> 1430 ms). A hand-written
+    VJP did not do this: XLA's CSE merged its recomputation with the forward's values."""
+    return jax.checkpoint(lambda h: gate_fn(h[..., 0, :]) * h[..., 1, :])(h_BT2F)
+
+
+def activation(act_fn, h_BTF):
+    """act(h), rematerialised like :func:`glu` (h is the only residual)."""
+    return jax.checkpoint(act_fn)(h_BTF)
+
+
 class GatedMLP(_MLPBase):
     """GLU MLP with one fused gate/up matmul ([D, 2, F]) and a down projection."""
     gated = True
@@ -209,7 +224,7 @@ class GatedMLP(_MLPBase):
         if extra is not None:
             h_BT2F = h_BT2F + extra
         gate_BTF, up_BTF = self.gate_fn(h_BT2F[:, :, 0]), h_BT2F[:, :, 1]
-        return gate_BTF, up_BTF, gate_BTF * up_BTF
+        return gate_BTF, up_BTF, glu(self.gate_fn, h_BT2F)
 
 
 class PlainMLP(_MLPBase):
@@ -218,7 +233,7 @@ class PlainMLP(_MLPBase):
 
     def gate_up_acts(self, x_BTD, w_DF, extra=None):
         h_BTF = matmul(x_BTD, w_DF)
-        a_BTF = self.act_fn(h_BTF if extra is None else h_BTF + extra[:, :, 0])
+        a_BTF = activation(self.act_fn, h_BTF if extra is None else h_BTF + extra[:, :, 0])
         return a_BTF, None, a_BTF
 
 
