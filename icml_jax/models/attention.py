@@ -120,7 +120,7 @@ def causal_attention(q_BTGRK, k_BSGK, v_BSGK, mask_BTS, bias=None, n: int = 1, r
     tested), at less memory traffic on the CPU, measured on ``small``'s shapes:
       * the R query heads of a KV head and a block's c queries are one matrix dimension M = R*c,
         so each (B, G) pair runs plain [M, K] x [K, S] dots, and q / dout are laid out block-major
-        once ([B, G, n, M, K]) instead of sliced and transposed per block;
+        once ([n, B, G, M, K]) instead of sliced and transposed per block;
       * the forward keeps e = exp(z - max) and its row sums l and divides the [M, K] output, not
         the [M, S] probabilities;
       * the backward takes the softmax's row term from the outputs, rowsum(dout * out) ([M, K]),
