@@ -192,8 +192,9 @@ def use_defaults() -> str | None:
 
 
 def release_host_memory() -> bool:
-    """Returns the C heap's free pages to the operating system (glibc ``malloc_trim(0)``); False
-    where that is not available (not Linux/glibc).
+    """Returns the C heap's free pages to the operating system (glibc ``malloc_trim(0)``): True
+    when memory was released, False when none was or where that is not available (not
+    Linux/glibc).
 
     Compiling a program leaves the XLA compiler's freed working memory resident in the process's
     malloc arenas: after compiling the ``small`` train step that was ~200 MiB, which stayed in the

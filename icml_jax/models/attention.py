@@ -112,7 +112,8 @@ def over_causal_blocks(fn, n: int, q_tree, k_tree, ts_tree):
     return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *outs)
 
 
-def causal_attention(q_BTGRK, k_BSGK, v_BSGK, mask_BTS, bias=None, n: int = 1, row_scale=None):
+def causal_attention(q_BTGRK, k_BSGK, v_BSGK, mask_BTS, bias=None, n: int = 1, row_scale=None,
+                     precision=None):
     """``_softmax_attend`` over the queries' own keys (training / scoring without a cache) in n
     causal query blocks (:func:`over_causal_blocks`' skipping), with a hand-written VJP.
 
@@ -124,13 +125,22 @@ def causal_attention(q_BTGRK, k_BSGK, v_BSGK, mask_BTS, bias=None, n: int = 1, r
       * the forward keeps e = exp(z - max) and its row sums l and divides the [M, K] output, not
         the [M, S] probabilities;
       * the backward takes the softmax's row term from the outputs, rowsum(dout * out) ([M, K]),
-        not from a pass over the [M, S] matrices, and needs no mask (e is exactly 0 where masked:
-        every row sees at least its own key, which holds for causal rows with segment ids).
-    ``bias`` (ALiBi) is any array broadcastable to [B, G, R, T, S]; its cotangent is returned
-    (and dropped by XLA where nothing needs it). The logits are q.k * K^-0.5, or q.k *
-    ``row_scale`` [B] (one factor per batch row, the RMT's scale / (layer + 1); treated as a
-    constant: no gradient flows to it)."""
-    return _causal_attention(n, q_BTGRK, k_BSGK, v_BSGK, mask_BTS, bias, row_scale)
+        not from a pass over the [M, S] matrices, and needs no mask (e is exactly 0 where masked).
+    Contract: the keys are the queries' own S = T slots, n divides T, and every query sees at
+    least one key (its own slot: true of ``attention_mask`` for causal rows with segment ids; a
+    fully masked row would leak gradient where autodiff gives 0).
+    ``bias`` (ALiBi) is an array broadcastable to [B, G, R, T, S] whose last two axes are T and S;
+    its cotangent is returned (and dropped by XLA where nothing needs it). The logits are
+    q.k * K^-0.5, or q.k * ``row_scale`` [B] (one factor per batch row, the RMT's scale /
+    (layer + 1); treated as a constant: no gradient flows to it). ``precision``: the dots'
+    ``jax.lax.Precision`` (the RMT asks for HIGHEST, so float32 dots stay float32 on GPUs)."""
+    B, T = q_BTGRK.shape[:2]
+    if k_BSGK.shape[1] != T or T % n:
+        raise ValueError(f"causal_attention: {k_BSGK.shape[1]} keys for {T} queries in {n} blocks; "
+                         "it needs the queries' own keys (S = T) and n dividing T")
+    if bias is not None and bias.shape[-2:] != (T, T):
+        raise ValueError(f"causal_attention: bias shape {bias.shape} must end in (T, S) = ({T}, {T})")
+    return _causal_attention(n, precision, q_BTGRK, k_BSGK, v_BSGK, mask_BTS, bias, row_scale)
 
 
 def _blocks(x_BTGRK, n: int):
@@ -163,7 +173,7 @@ def _logit_scale(row_scale, K: int):
     return K ** -0.5 if row_scale is None else row_scale.reshape(-1, 1, 1, 1)
 
 
-def _causal_fwd(n, q_BTGRK, k_BSGK, v_BSGK, mask_BTS, bias, row_scale):
+def _causal_fwd(n, precision, q_BTGRK, k_BSGK, v_BSGK, mask_BTS, bias, row_scale):
     B, T, G, R, K = q_BTGRK.shape
     c, shape = T // n, (B, G, R, T, T)
     scale = _logit_scale(row_scale, K)
@@ -174,22 +184,26 @@ def _causal_fwd(n, q_BTGRK, k_BSGK, v_BSGK, mask_BTS, bias, row_scale):
     outs, es, ls = [], [], []
     for i in range(n):
         hi = (i + 1) * c
-        z = upcast(jnp.einsum("BGMK,BGSK->BGMS", q_nBGMK[i], k_BGSK[:, :, :hi])) * scale
+        z = upcast(jnp.einsum("BGMK,BGSK->BGMS", q_nBGMK[i], k_BGSK[:, :, :hi], precision=precision)) * scale
         if bias is not None:
             z = z + _block_ts(bias, shape, i, c)
         z = jnp.where(_block_ts(mask_B1TS, shape, i, c), z, NEG_INF)
         e = jnp.exp(z - row_max(z))
         l = row_sum(e)
-        outs.append(upcast(jnp.einsum("BGMS,BGSK->BGMK", e.astype(v_BSGK.dtype), v_BGSK[:, :, :hi])) / l)
+        outs.append(upcast(jnp.einsum("BGMS,BGSK->BGMK", e.astype(v_BSGK.dtype), v_BGSK[:, :, :hi],
+                                      precision=precision)) / l)
         es.append(e)
         ls.append(l)
     o_nBGMK = jnp.stack(outs)
-    res = (q_nBGMK, k_BGSK, v_BGSK, es, ls, o_nBGMK, bias, row_scale)
+    # the bias's shape and dtype only (a zero-size array), not the [B, G, R, T, T] bias itself
+    bias_like = None if bias is None else jnp.zeros((0,) + bias.shape, bias.dtype)
+    res = (q_nBGMK, k_BGSK, v_BGSK, es, ls, o_nBGMK, bias_like, row_scale)
     return _unblocks(o_nBGMK, R).astype(v_BSGK.dtype), res
 
 
-def _causal_bwd(n, res, do_BTGRK):
-    q_nBGMK, k_BGSK, v_BGSK, es, ls, o_nBGMK, bias, row_scale = res
+def _causal_bwd(n, precision, res, do_BTGRK):
+    q_nBGMK, k_BGSK, v_BGSK, es, ls, o_nBGMK, bias_like, row_scale = res
+    bias = None if bias_like is None else jax.ShapeDtypeStruct(bias_like.shape[1:], bias_like.dtype)
     _, B, G, M, K = q_nBGMK.shape
     T = k_BGSK.shape[2]
     c = T // n
@@ -199,21 +213,22 @@ def _causal_bwd(n, res, do_BTGRK):
     delta_nBGM1 = row_sum(do_nBGMK * o_nBGMK)
     dqs, dk, dv, dbias = [], 0.0, 0.0, None
     if bias is not None:
-        dbias = jnp.zeros(jnp.broadcast_shapes(bias.shape, (1, 1, 1, T, T)), jnp.float32)
+        dbias = jnp.zeros(jnp.broadcast_shapes(bias.shape, (1, 1, 1, T, T)),
+                          jnp.result_type(bias.dtype, es[0].dtype))
     for i in range(n):
         hi = (i + 1) * c
         e, l, do = es[i], ls[i], do_nBGMK[i]
-        dp = jnp.einsum("BGMK,BGSK->BGMS", do, upcast(v_BGSK[:, :, :hi]))
+        dp = jnp.einsum("BGMK,BGSK->BGMS", do, upcast(v_BGSK[:, :, :hi]), precision=precision)
         g = e * (dp - delta_nBGM1[i]) / l  # d logits (after the bias, before the mask)
         if bias is not None:
             gb = g.reshape(B, G, R, c, hi)
             gb = gb.sum(axis=tuple(a for a in range(3) if dbias.shape[a] == 1), keepdims=True)
             dbias = dbias.at[..., i * c:hi, :hi].add(gb.reshape(dbias.shape[:3] + (c, hi)))
         g = g * scale
-        dqs.append(jnp.einsum("BGMS,BGSK->BGMK", g, upcast(k_BGSK[:, :, :hi])))
+        dqs.append(jnp.einsum("BGMS,BGSK->BGMK", g, upcast(k_BGSK[:, :, :hi]), precision=precision))
         pad = [(0, 0), (0, 0), (0, T - hi), (0, 0)]
-        dk = dk + jnp.pad(jnp.einsum("BGMS,BGMK->BGSK", g, upcast(q_nBGMK[i])), pad)
-        dv = dv + jnp.pad(jnp.einsum("BGMS,BGMK->BGSK", e, do / l), pad)
+        dk = dk + jnp.pad(jnp.einsum("BGMS,BGMK->BGSK", g, upcast(q_nBGMK[i]), precision=precision), pad)
+        dv = dv + jnp.pad(jnp.einsum("BGMS,BGMK->BGSK", e, do / l, precision=precision), pad)
     dq = _unblocks(jnp.stack(dqs), R).astype(q_nBGMK.dtype)
     dk = jnp.transpose(dk, (0, 2, 1, 3)).astype(k_BGSK.dtype)
     dv = jnp.transpose(dv, (0, 2, 1, 3)).astype(v_BGSK.dtype)
@@ -222,7 +237,8 @@ def _causal_bwd(n, res, do_BTGRK):
     return dq, dk, dv, None, dbias, None
 
 
-_causal_attention = jax.custom_vjp(lambda n, *args: _causal_fwd(n, *args)[0], nondiff_argnums=(0,))
+_causal_attention = jax.custom_vjp(lambda n, precision, *args: _causal_fwd(n, precision, *args)[0],
+                                   nondiff_argnums=(0, 1))
 _causal_attention.defvjp(_causal_fwd, _causal_bwd)
 
 

@@ -60,7 +60,7 @@ def materialize(fn, x):
     tables that many large elementwise fusions read (the RoPE sines and cosines: recomputed per
     element of q and k otherwise). Plain ``fn(x)`` on other backends (a GPU conditional reads its
     predicate on the host) and for a single position per row (decode steps)."""
-    if jax.default_backend() != "cpu" or x.ndim < 2 or x.shape[1] <= 1:
+    if jax.default_backend() != "cpu" or x.ndim < 2 or x.shape[1] <= 1 or x.size == 0:
         return fn(x)
     first = x.reshape(-1)[0].astype(jnp.float32)  # a float compare is never folded (NaN)
     return jax.lax.cond(first == first, fn, fn, x)
@@ -102,16 +102,16 @@ def _row_sum_jvp(primals, tangents):
 
 
 def col_sum(x):
-    """x [..., D] summed over all leading axes -> [D]: the rows are first folded elementwise in
-    ``ROW_CHUNK`` contiguous blocks (one fused pass), so the reduction XLA:CPU rewrites into a
+    """x [..., D] summed over all leading axes -> [D]: each run of ``ROW_CHUNK`` consecutive rows
+    is first summed elementwise (one fused pass), so the reduction XLA:CPU rewrites into a
     reduce-window reads a 32x smaller array."""
     x = x.reshape(-1, x.shape[-1])
     N, c = x.shape[0], ROW_CHUNK
-    if N > c and N % c == 0:
-        x = x.reshape(c, N // c, x.shape[-1])
-        y = x[0]
+    if N > c and N % c == 0:  # rows n*c + j, j < c, summed over j: each row block stays local
+        x = x.reshape(N // c, c, x.shape[-1])  # to its device when the rows are batch-sharded
+        y = x[:, 0]
         for j in range(1, c):
-            y = y + x[j]
+            y = y + x[:, j]
         x = y
     return jnp.sum(x, axis=0)
 

@@ -380,7 +380,8 @@ class RMTAttention(nn.Module):
             m_R = jnp.asarray(alibi_slopes(R, dt))
             bias = -m_R[None, :, None, None, None] * alibi_distance(q_pos_BT, k_pos_BS, dt)[:, None, None]
         o = causal_attention(q[:, :, :, None], k, v, mask_BTS, bias,
-                             query_block_count(c, T, k.shape[1]), row_scale=scale)
+                             query_block_count(c, T, k.shape[1]), row_scale=scale,
+                             precision=jax.lax.Precision.HIGHEST)
         return o.reshape(B, T, R, E)
 
     def _attend(self, q_BTRE, k_BSRE, v_BSRE, mask_BTS, layer_B1, q_pos_BT, k_pos_BS):

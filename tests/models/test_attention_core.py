@@ -36,7 +36,8 @@ def _reference(q, k, v, mask, bias, n):
 
 
 @pytest.mark.parametrize("n", [1, 4])
-@pytest.mark.parametrize("bias_shape", [None, (B, G, R, T, T), (1, G, R, T, T), (B, 1, 1, T, T)])
+@pytest.mark.parametrize("bias_shape", [None, (B, G, R, T, T), (1, G, R, T, T), (B, 1, 1, T, T),
+                                        (G, R, T, T), (T, T)])
 def test_causal_attention_values_and_vjp_equal_autodiff(n, bias_shape):
     """Outputs and the gradients of q, k, v and the bias (ALiBi-style, full or broadcast) equal
     the autodiff of the blocked einsum attention to float32 rounding: packed documents, a
@@ -165,3 +166,15 @@ def test_rms_norm_values_and_vjp_equal_autodiff(shape, dtype):
 def test_col_sum_equals_sum_over_leading_axes(shape):
     x = jax.random.normal(jax.random.key(4), shape)
     np.testing.assert_allclose(col_sum(x), jnp.sum(x.reshape(-1, shape[-1]), axis=0), rtol=1e-5, atol=1e-5)
+
+
+def test_causal_attention_refuses_inputs_outside_its_contract():
+    """Keys that are not the queries' own (S != T), a block count that does not divide T and a
+    bias whose last axes are not (T, S) are errors, not silently wrong attention."""
+    q, k, v, mask, _ = _inputs()
+    with pytest.raises(ValueError, match="S = T"):
+        A.causal_attention(q, jnp.concatenate([k, k], 1), jnp.concatenate([v, v], 1), mask, None, 4)
+    with pytest.raises(ValueError, match="n dividing T"):
+        A.causal_attention(q, k, v, mask, None, 3)
+    with pytest.raises(ValueError, match="must end in"):
+        A.causal_attention(q, k, v, mask, jnp.zeros((B, G, R, T, 1)), 4)
