@@ -83,6 +83,14 @@ def _reset_peak_rss() -> bool:
         return False
 
 
+def _trim(spec: dict) -> None:
+    """Both children, after their warm-up: freed heap pages back to the OS, as our train loop does
+    after its first step (``xla_env.release_host_memory``); ``spec["trim"] = False`` skips it."""
+    if spec.get("trim", True):
+        from icml_jax import xla_env
+        xla_env.release_host_memory()
+
+
 def _steady_peak(run, steps: int, rss0) -> tuple:
     """Times ``steps`` calls of ``run`` with the RSS high-water mark reset before them: (times,
     peak RSS during the timed steps minus ``rss0``, the RSS before the model was built; None
@@ -203,9 +211,7 @@ def child_ours(spec: dict) -> dict:
         jax.block_until_ready((box["state"], box["metrics"]))
 
     run()  # warm-up step (allocations, thread pools)
-    if spec.get("trim", True):  # as the train loop does after its first step
-        from icml_jax import xla_env
-        xla_env.release_host_memory()
+    _trim(spec)
     times, steady = _steady_peak(run, spec["steps"], rss0_now)
     n_params = sum(x.size for x in jax.tree.leaves(box["state"].params))
     out = _timing(times, B * T, train_flops_per_token(config.model, T))
@@ -266,9 +272,7 @@ def child_torch(spec: dict) -> dict:
 
     run()
     run()
-    if spec.get("trim", True):  # the same treatment as ours: freed heap pages returned
-        from icml_jax import xla_env
-        xla_env.release_host_memory()
+    _trim(spec)
     times, steady = _steady_peak(run, spec["steps"], rss0_now)
     out = _timing(times, B * T, train_flops_per_token(config.model, T))
     out.update(params=int(sum(p.numel() for p in params)), loss=box["loss"],

@@ -92,33 +92,16 @@ def query_block_count(model_cfg, T: int, S: int) -> int:
     return n if T % n == 0 else 1
 
 
-def over_causal_blocks(fn, n: int, q_tree, k_tree, ts_tree):
-    """Causal attention in n query blocks: ``fn(q_i, k_i, ts_i)`` for block i, where the leaves of
-    ``q_tree`` are sliced to the block's queries along axis 1, those of ``k_tree`` to keys
-    [0, end of the block) along axis 1 and those of ``ts_tree`` ([.., T, S] masks and biases; None
-    leaves stay None) on their last two axes; the outputs are concatenated along axis 1. Query
-    block i is causally masked from every later key, so the skipped n(n-1)/2 of the n^2 tiles
-    contribute exactly 0 and the result equals one block's."""
-    if n == 1:
-        return fn(q_tree, k_tree, ts_tree)
-    T = jax.tree.leaves(q_tree)[0].shape[1]
-    c = T // n
-    outs = []
-    for i in range(n):
-        lo, hi = i * c, (i + 1) * c
-        outs.append(fn(jax.tree.map(lambda x: x[:, lo:hi], q_tree),
-                       jax.tree.map(lambda x: x[:, :hi], k_tree),
-                       jax.tree.map(lambda x: x[..., lo:hi, :hi], ts_tree)))
-    return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *outs)
-
-
 def causal_attention(q_BTGRK, k_BSGK, v_BSGK, mask_BTS, bias=None, n: int = 1, row_scale=None,
                      precision=None):
     """``_softmax_attend`` over the queries' own keys (training / scoring without a cache) in n
-    causal query blocks (:func:`over_causal_blocks`' skipping), with a hand-written VJP.
+    causal query blocks, with a hand-written VJP. Query block i is causally masked from every key
+    after its own block, so the core skips those n(n-1)/2 of the n^2 tiles (they contribute
+    exactly 0).
 
-    Same numbers as the autodiff of ``over_causal_blocks(_softmax_attend)`` (float32: ~1e-6;
-    tested), at less memory traffic on the CPU, measured on ``small``'s shapes:
+    Same numbers as the autodiff of ``_softmax_attend`` applied per query block (float32: ~1e-6;
+    tested in ``tests/models/test_attention_core.py``), at less memory traffic on the CPU,
+    measured on ``small``'s shapes:
       * the R query heads of a KV head and a block's c queries are one matrix dimension M = R*c,
         so each (B, G) pair runs plain [M, K] x [K, S] dots, and q / dout are laid out block-major
         once ([n, B, G, M, K]) instead of sliced and transposed per block;

@@ -59,8 +59,8 @@ def materialize(fn, x):
     at run time, so XLA keeps the boundary and cannot fuse fn into each consumer). For cheap
     tables that many large elementwise fusions read (the RoPE sines and cosines: recomputed per
     element of q and k otherwise). Plain ``fn(x)`` on other backends (a GPU conditional reads its
-    predicate on the host) and for a single position per row (decode steps)."""
-    if jax.default_backend() != "cpu" or x.ndim < 2 or x.shape[1] <= 1 or x.size == 0:
+    predicate on the host) and for an empty x."""
+    if jax.default_backend() != "cpu" or x.size == 0:
         return fn(x)
     first = x.reshape(-1)[0].astype(jnp.float32)  # a float compare is never folded (NaN)
     return jax.lax.cond(first == first, fn, fn, x)
@@ -69,16 +69,21 @@ def materialize(fn, x):
 ROW_CHUNK = 32  # XLA:CPU's tree-reduction rewrite leaves reductions of up to this many alone
 
 
+def _fold(op, x, axis: int, n: int):
+    """x split into n equal parts along ``axis``, combined elementwise with ``op`` (one fused
+    pass): the axis shrinks n-fold."""
+    parts = jnp.split(x, n, axis=axis)
+    y = parts[0]
+    for p in parts[1:]:
+        y = op(y, p)
+    return y
+
+
 def _fold_chunks(op, x):
     """x [..., S] -> [..., c]: its chunks of c = ``ROW_CHUNK`` combined elementwise with ``op``
     (x itself when S <= c or c does not divide S)."""
     S, c = x.shape[-1], ROW_CHUNK
-    if S <= c or S % c:
-        return x
-    y = x[..., :c]
-    for j in range(1, S // c):
-        y = op(y, x[..., j * c:(j + 1) * c])
-    return y
+    return x if S <= c or S % c else _fold(op, x, -1, S // c)
 
 
 def row_max(x):
@@ -107,13 +112,9 @@ def col_sum(x):
     reduce-window reads a 32x smaller array."""
     x = x.reshape(-1, x.shape[-1])
     N, c = x.shape[0], ROW_CHUNK
-    if N > c and N % c == 0:  # rows n*c + j, j < c, summed over j: each row block stays local
-        x = x.reshape(N // c, c, x.shape[-1])  # to its device when the rows are batch-sharded
-        y = x[:, 0]
-        for j in range(1, c):
-            y = y + x[:, j]
-        x = y
-    return jnp.sum(x, axis=0)
+    if N > c and N % c == 0:  # rows n*c + j, j < c, summed over j: each run of rows stays local
+        x = _fold(jnp.add, x.reshape(N // c, c, x.shape[-1]), 1, c)[:, 0]  # to its device when
+    return jnp.sum(x, axis=0)  # the rows are batch-sharded
 
 
 class RMSNorm(nn.Module):

@@ -89,9 +89,11 @@ def floor_clip_mask(inv_freq: np.ndarray, train_len: int, ratio: float = 1.0) ->
 def rotary_tables(pos, inv_freq, dtype):
     """(cos, sin) [B, T, K/2] of the angles pos * inv_freq in ``dtype``, each computed once
     (``layers.materialize``: XLA:CPU otherwise fused the sine and cosine into every fusion that
-    reads them, recomputing them per element of q, k and their gradients)."""
+    reads them, recomputing them per element of q, k and their gradients); inline for one
+    position per row (decode steps: tiny tables, and a conditional per layer and step)."""
     ang = pos.astype(dtype)[..., None] * inv_freq
-    return materialize(lambda a: (jnp.cos(a), jnp.sin(a)), ang)
+    tables = lambda a: (jnp.cos(a), jnp.sin(a))  # noqa: E731
+    return tables(ang) if ang.shape[1] <= 1 else materialize(tables, ang)
 
 
 def apply_rotary(x, pos, inv_freq, tables=None):

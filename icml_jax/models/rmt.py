@@ -365,39 +365,28 @@ class RMTAttention(nn.Module):
     def attend(self, q_BTRE, k_BSRE, v_BSRE, mask_BTS, layer_B1, q_pos_BT, k_pos_BS):
         """float32 softmax attention: z = (q·k)·scale / (ℓ+1) - m_r (t_pos - s_pos); without a
         cache in causal query blocks (``config.model.attention_block``, as the transformer)."""
-        if self.decode:
-            return self._attend(q_BTRE, k_BSRE, v_BSRE, mask_BTS, layer_B1, q_pos_BT, k_pos_BS)
-        # without a cache: the transformer's causal core, the R heads as its KV-head axis
         c = self.cfg
         B, T, R, E = q_BTRE.shape
         q, k, v = upcast(q_BTRE), upcast(k_BSRE), upcast(v_BSRE)
         dt = q.dtype  # float32, or float64 for a float64 model
-        scale = jnp.full((B,), attention_scale(c), dt)
+        scale = jnp.full((B,), attention_scale(c), dt)  # per row: scale / (layer + 1)
         if c.rmt.inverse_layer_scaling:
             scale = scale / (layer_B1[:, 0] + 1).astype(dt)
-        bias = None
+        bias = None  # [B, R, 1, T, S]: the R heads as the core's KV-head axis, one query each
         if c.rmt.position == "alibi":
             m_R = jnp.asarray(alibi_slopes(R, dt))
             bias = -m_R[None, :, None, None, None] * alibi_distance(q_pos_BT, k_pos_BS, dt)[:, None, None]
-        o = causal_attention(q[:, :, :, None], k, v, mask_BTS, bias,
-                             query_block_count(c, T, k.shape[1]), row_scale=scale,
-                             precision=jax.lax.Precision.HIGHEST)
-        return o.reshape(B, T, R, E)
-
-    def _attend(self, q_BTRE, k_BSRE, v_BSRE, mask_BTS, layer_B1, q_pos_BT, k_pos_BS):
-        c = self.cfg
         hi = jax.lax.Precision.HIGHEST
-        z_BRTS = jnp.einsum("BTRE,BSRE->BRTS", upcast(q_BTRE), upcast(k_BSRE),
-                            precision=hi) * attention_scale(c)
-        dt = z_BRTS.dtype  # float32, or float64 for a float64 model
-        if c.rmt.inverse_layer_scaling:
-            z_BRTS = z_BRTS / (layer_B1[:, :, None, None] + 1).astype(dt)
-        if c.rmt.position == "alibi":
-            m_R = jnp.asarray(alibi_slopes(c.num_heads, dt))
-            z_BRTS = z_BRTS - m_R[None, :, None, None] * alibi_distance(q_pos_BT, k_pos_BS, dt)[:, None]
-        z_BRTS = jnp.where(mask_BTS[:, None], z_BRTS, NEG_INF)
-        p_BRTS = jax.nn.softmax(z_BRTS, axis=-1)
-        return jnp.einsum("BRTS,BSRE->BTRE", p_BRTS, upcast(v_BSRE), precision=hi)
+        if self.decode:  # queries against the cache
+            z_BRTS = jnp.einsum("BTRE,BSRE->BRTS", q, k, precision=hi) * scale[:, None, None, None]
+            if bias is not None:
+                z_BRTS = z_BRTS + bias[:, :, 0]
+            p_BRTS = jax.nn.softmax(jnp.where(mask_BTS[:, None], z_BRTS, NEG_INF), axis=-1)
+            return jnp.einsum("BRTS,BSRE->BTRE", p_BRTS, v, precision=hi)
+        # without a cache: the transformer's causal core
+        o = causal_attention(q[:, :, :, None], k, v, mask_BTS, bias,
+                             query_block_count(c, T, k.shape[1]), row_scale=scale, precision=hi)
+        return o.reshape(B, T, R, E)
 
 
 class RMTBlock(nn.Module):

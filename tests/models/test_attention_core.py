@@ -31,8 +31,15 @@ def _inputs(dtype=jnp.float32, window=5):
 
 
 def _reference(q, k, v, mask, bias, n):
-    return A.over_causal_blocks(lambda q, kv, ts: A._softmax_attend(q, *kv, *ts), n, q, (k, v),
-                                (mask, bias))
+    """Autodiff's version: the einsum softmax attention per causal query block i (its queries,
+    keys [0, end of the block)), concatenated; n = 1 is the plain masked attention."""
+    c = q.shape[1] // n
+    outs = []
+    for i in range(n):
+        lo, hi = i * c, (i + 1) * c
+        b = None if bias is None else bias[..., lo:hi, :hi]
+        outs.append(A._softmax_attend(q[:, lo:hi], k[:, :hi], v[:, :hi], mask[:, lo:hi, :hi], b))
+    return jnp.concatenate(outs, axis=1)
 
 
 @pytest.mark.parametrize("n", [1, 4])
@@ -97,15 +104,20 @@ def test_attention_step_has_no_reduce_window():
 
 
 def test_materialize_is_a_runtime_boundary_with_fn_values():
-    """materialize(fn, x) == fn(x); on the CPU it is one conditional (both branches fn), and a
-    single position per row (decode) is computed inline."""
+    """materialize(fn, x) == fn(x); on the CPU it is one conditional (both branches fn), and an
+    empty x is computed inline. The RoPE tables of one position per row (decode) skip it."""
+    from icml_jax.models.positions import rotary_tables
     x = jnp.arange(24.0).reshape(2, 3, 4)
     fn = lambda a: (jnp.cos(a), jnp.sin(a))  # noqa: E731
     for got, want in zip(materialize(fn, x), fn(x)):
         np.testing.assert_array_equal(got, want)
-    compiled = lambda a: jax.jit(lambda a: materialize(fn, a)).lower(a).compile().as_text()  # noqa: E731
-    assert "conditional(" in compiled(x)
-    assert "conditional(" not in compiled(x[:, :1])
+    compiled = lambda f, *a: jax.jit(f).lower(*a).compile().as_text()  # noqa: E731
+    assert "conditional(" in compiled(lambda a: materialize(fn, a), x)
+    assert "conditional(" not in compiled(lambda a: materialize(fn, a), x[:, :0])
+    inv = jnp.asarray([1.0, 0.1])
+    pos = jnp.arange(6).reshape(2, 3)
+    assert "conditional(" in compiled(lambda p: rotary_tables(p, inv, jnp.float32), pos)
+    assert "conditional(" not in compiled(lambda p: rotary_tables(p, inv, jnp.float32), pos[:, :1])
 
 
 def test_rope_tables_computed_once_per_layer():
