@@ -414,7 +414,8 @@ def markdown(res: dict) -> str:
               "OS after the warm-up (`xla_env.release_host_memory`, glibc `malloc_trim(0)`, which our "
               "train loop calls after its first step); the `*_no_trim` rows skip it. "
               f"A/B rows: {', '.join(f'`{k}` = ours with config.model {v}' for k, v in AB_VARIANTS.items())}. "
-              "`ours_default_flags` = the same step under jax's default XLA flags. Torch: "
+              "`ours_default_flags` = the same step under jax's default XLA flags; `ours_vector256` "
+              f"(on CPUs with AVX-512) = ours without `{xla_env.VECTOR_FLAG}`. Torch: "
               "`LlamaForCausalLM` fp32, AdamW (decay on matrices only, like ours) + grad-norm clip, "
               "cross-entropy on the same tokens/targets, `torch.set_num_threads(cores)`.", ""]
     return "\n".join(lines)
@@ -473,6 +474,9 @@ def main(argv=None) -> dict:
             runs += [(name, {"kind": "ours", "model_overrides": o, **common}, ours_flags)
                      for name, o in AB_VARIANTS.items()]
             runs.append(("ours_no_trim", {"kind": "ours", "trim": False, **common}, ours_flags))
+            if xla_env.VECTOR_FLAG in ours_flags.split():
+                runs.append(("ours_vector256", {"kind": "ours", **common},
+                             " ".join(f for f in ours_flags.split() if f != xla_env.VECTOR_FLAG)))
             if not args.skip_torch:
                 runs.append(("torch_sdpa_no_trim", {"kind": "torch", "attn": "sdpa", "threads": threads,
                                                     "trim": False, **common}, None))

@@ -16,15 +16,29 @@ def test_use_default_flags_appends_keeps_and_opts_out():
     assert not xla_env.use_default_flags(env)  # already there: unchanged
     assert env["XLA_FLAGS"].split() == ["--xla_foo=1", *xla_env.CPU_FLAGS]
     mine = {"XLA_FLAGS": "--xla_cpu_experimental_ynn_fusion_type=dot"}  # the user's own value wins
-    assert not xla_env.use_default_flags(mine)
-    assert mine["XLA_FLAGS"] == "--xla_cpu_experimental_ynn_fusion_type=dot"
+    xla_env.use_default_flags(mine)
+    assert mine["XLA_FLAGS"].split() == ["--xla_cpu_experimental_ynn_fusion_type=dot",
+                                         *[f for f in xla_env.CPU_FLAGS if not f.startswith(xla_env.YNN_FLAG)]]
     off = {xla_env.OPT_OUT_ENV: "1"}
     assert not xla_env.use_default_flags(off) and "XLA_FLAGS" not in off
     empty = {}
     assert xla_env.use_default_flags(empty) and empty["XLA_FLAGS"] == " ".join(xla_env.CPU_FLAGS)
     # what it appended is recorded (for decode_compiler_options, in this process and its children)
-    assert empty[xla_env.ADDED_ENV] == xla_env.YNN_FLAG and env[xla_env.ADDED_ENV] == xla_env.YNN_FLAG
-    assert xla_env.ADDED_ENV not in mine and xla_env.ADDED_ENV not in off
+    names = sorted(f.split("=", 1)[0] for f in xla_env.CPU_FLAGS)
+    assert empty[xla_env.ADDED_ENV].split() == names and env[xla_env.ADDED_ENV].split() == names
+    assert xla_env.YNN_FLAG not in mine.get(xla_env.ADDED_ENV, "").split()
+    assert xla_env.ADDED_ENV not in off
+
+
+@pytest.mark.parametrize("flags,want", [("fpu sse avx2 avx512f avx512bw", True), ("fpu sse avx2 fma", False),
+                                        ("avx512_bf16 avx512vl", False), (None, False)])
+def test_vector_width_flag_follows_avx512(tmp_path, flags, want):
+    """512-bit vectors for XLA's own kernels only where the CPU has AVX-512 (avx512f)."""
+    info = tmp_path / "cpuinfo"
+    if flags is not None:
+        info.write_text(f"processor\t: 0\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: {flags}\n")
+    assert xla_env.cpu_has_avx512(str(info)) is want
+    assert (xla_env.VECTOR_FLAG in xla_env.CPU_FLAGS) is xla_env.cpu_has_avx512()
 
 
 def test_decode_programs_get_jax_default_ynn_dots_only_when_the_flag_is_ours():
@@ -34,7 +48,8 @@ def test_decode_programs_get_jax_default_ynn_dots_only_when_the_flag_is_ours():
         "xla_cpu_experimental_ynn_fusion_type": xla_env.JAX_DEFAULT_YNN_FUSIONS}
     assert xla_env.decode_compiler_options({}) is None  # no flag: jax's defaults already
     mine = {"XLA_FLAGS": f"{xla_env.YNN_FLAG}="}  # the user turned YNN off: it stays off
-    assert not xla_env.use_default_flags(mine) and xla_env.decode_compiler_options(mine) is None
+    xla_env.use_default_flags(mine)
+    assert xla_env.decode_compiler_options(mine) is None
     later = dict(ours, XLA_FLAGS=f"{xla_env.YNN_FLAG}=LIBRARY_FUSION_TYPE_DOT")  # changed afterwards
     assert xla_env.decode_compiler_options(later) is None
     assert xla_env.decode_compiler_options({xla_env.OPT_OUT_ENV: "1"}) is None
