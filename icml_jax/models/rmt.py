@@ -70,7 +70,7 @@ import numpy as np
 
 from icml_jax.models.attention import (NEG_INF, KVCache, attention_mask, causal_attention,
                                        query_block_count)
-from icml_jax.models.layers import constrain, get_dtype, matmul, param, upcast, wide_dtype
+from icml_jax.models.layers import constrain, get_dtype, matmul, param, rms_norm, upcast, wide_dtype
 from icml_jax.models.mlp import ACTIVATIONS
 from icml_jax.models.positions import alibi_distance
 from icml_jax.models.residual import RESIDUALS, OptimizerGroups, Stream, mlp_matrices
@@ -201,6 +201,10 @@ class MatrixNorm(nn.Module):
     def __call__(self, x_BTEK):
         g_EK = param(self, "scale", nn.initializers.ones, x_BTEK.shape[-2:], ("rmt_value", "rmt_key"),
                      self.param_dtype)
+        if self.kind == "rms_matrix":  # Llama's RMSNorm over the E·K entries as one row
+            EK = x_BTEK.shape[-2] * x_BTEK.shape[-1]
+            return rms_norm(x_BTEK.reshape(x_BTEK.shape[:-2] + (EK,)), g_EK.reshape(EK), self.eps,
+                            jnp.dtype(self.dtype)).reshape(x_BTEK.shape)
         x = upcast(x_BTEK)
         if self.kind == "layernorm":
             x = x - jnp.mean(x, axis=(-2, -1), keepdims=True)
@@ -332,8 +336,13 @@ class RMTIO(nn.Module):
     def unembed(self, h: RMTState):
         """Final norm -> R retrievals -> logits float32 [B, T, V]."""
         u_BTRE = retrieve(self.final_norm(h.x), self.unembed_retrieve)
-        logits = jnp.einsum("BTRE,REV->BTV", u_BTRE, self.unembed_REV.astype(u_BTRE.dtype),
-                            preferred_element_type=wide_dtype(u_BTRE.dtype))
+        B, T, R, E = u_BTRE.shape
+        w_DV = self.unembed_REV.astype(u_BTRE.dtype).reshape(R * E, -1)  # R (sharded) stays major
+        if u_BTRE.dtype == wide_dtype(u_BTRE.dtype):  # float32: ``matmul``'s backward transposes
+            logits = matmul(u_BTRE.reshape(B, T, R * E), w_DV)  # u, not the V-wide cotangent
+        else:  # a low-precision model: logits accumulated and returned in float32
+            logits = jnp.einsum("BTD,DV->BTV", u_BTRE.reshape(B, T, R * E), w_DV,
+                                preferred_element_type=wide_dtype(u_BTRE.dtype))
         logits = upcast(logits) * output_multiplier(self.cfg)
         return constrain(logits, ("batch", "length", "act_vocab"))
 

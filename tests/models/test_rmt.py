@@ -610,7 +610,8 @@ def test_train_step_makes_no_transposed_copy_of_the_residual():
     """In the compiled forward + backward no instruction writes the residual matrices transposed
     ([K, B·T·E]): the retrieval and storage weight gradients transpose their R-wide operand
     instead (XLA's default for the einsums copies X transposed 4 times per layer), and every store
-    is one fused X-sized write (the embedding's with its gather, the layers' with the residual add)."""
+    is at most one fused X-sized write (the embedding's with its gather, the layers' with the
+    residual add)."""
     m = _cfg(num_layers=2, num_heads=2, num_kv_heads=2, head_dim=6, ffn_dim=20, vocab_size=61,
              rmt=dict(key_dim=5)).model
     model, params, tokens = _init(m, B=2, T=7)
@@ -624,7 +625,9 @@ def test_train_step_makes_no_transposed_copy_of_the_residual():
     assert re.search(rf"= f32\[{N},5\]", hlo)  # (the check looks at the right shapes)
     adds = [ln for ln in hlo.split("\n") if re.search(r"= f32\[2,7,6,5\]", ln) and "jvp(" in ln
             and "transpose(" not in ln and "/add" in ln]
-    assert len(adds) == 2 * m.num_layers + 1, adds  # two stores per layer + the embedding's
+    # two stores per layer + the embedding's; the last layer's may be fused into the final norm's
+    # fusions instead (X then is never written), so one fewer is fine
+    assert 2 * m.num_layers <= len(adds) <= 2 * m.num_layers + 1, adds
 
 
 def test_bfloat16_residual_dtype():
