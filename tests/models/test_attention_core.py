@@ -1,8 +1,8 @@
 """The training attention core and the reductions and tables around it: ``attention.causal_attention``
 (hand-written VJP) against the autodiff of the blocked einsum attention, ``layers.row_max`` /
 ``layers.row_sum`` / ``layers.col_sum`` against jnp's reductions and the compiled program they exist
-for, ``layers.rms_norm`` (hand-written VJP) against autodiff, and ``layers.materialize`` (the RoPE
-tables computed once)."""
+for, ``layers.rms_norm`` (hand-written VJP) against autodiff, ``layers.materialize`` (the RoPE
+tables computed once), and that the transformer and the RMT are wired to the core and the norm."""
 import re
 
 import jax
@@ -190,3 +190,31 @@ def test_causal_attention_refuses_inputs_outside_its_contract():
         A.causal_attention(q, k, v, mask, None, 3)
     with pytest.raises(ValueError, match="must end in"):
         A.causal_attention(q, k, v, mask, jnp.zeros((B, G, R, T, 1)), 4)
+
+
+@pytest.mark.parametrize("preset", ["configs/lm.py:tiny", "configs/rmt.py:tiny"])
+def test_the_models_train_through_the_core_and_the_norm_vjp(monkeypatch, preset):
+    """The transformer and the RMT run their training attention through ``causal_attention`` once
+    per layer and every RMSNorm / rms_matrix norm through ``rms_norm`` (values are the same either
+    way, so only the wiring shows a revert to plain jnp ops)."""
+    from icml_jax.models import layers, rmt
+    calls = {"attn": 0, "norm": 0}
+
+    def spy(name, fn):
+        def wrapped(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+        return wrapped
+
+    core, norm = spy("attn", A.causal_attention), spy("norm", layers.rms_norm)
+    for mod in (A, rmt):
+        monkeypatch.setattr(mod, "causal_attention", core)
+    for mod in (layers, rmt):
+        monkeypatch.setattr(mod, "rms_norm", norm)
+    c = load_config(preset, unlocked=True).model
+    model = build_model(c)
+    tokens = jnp.zeros((2, 32), jnp.int32)
+    params = jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
+    calls.update(attn=0, norm=0)
+    jax.eval_shape(jax.grad(lambda p: jnp.mean(model.apply({"params": p}, tokens) ** 2)), params)
+    assert calls == {"attn": c.num_layers, "norm": 2 * c.num_layers + 1}, calls
