@@ -21,7 +21,7 @@ CPUs without AVX-512 it is not added.
 
 The decode loops are the exception: their matmuls have as many rows as the batch, where YNNPACK's
 dots beat XLA's matmul, so :func:`decode_jit` compiles them with jax's own YNN list again when the
-flag is ours (:func:`decode_compiler_options`: batch-8 decode of the 20m model 8.0-8.6 -> 6.1
+YNN flag is ours (:func:`decode_compiler_options`: batch-8 decode of the 20m model 8.0-8.6 -> 6.1
 ms/token).
 """
 from __future__ import annotations
@@ -98,12 +98,12 @@ def decode_compiler_options(environ=None) -> dict | None:
     """Per-program XLA options for the decode loops (``inference.decode``'s ``generate`` and
     ``scored_decode``, ``collab.FlaxLM``'s cached step), or None for none.
 
-    Our CPU flag (:data:`CPU_FLAGS`) turns XLA's YNNPACK dots off process-wide for the train step's
-    sake. Decode steps are the opposite case: their matmuls have few rows (the batch), where XLA's
+    Our YNN flag (the first of :data:`CPU_FLAGS`) turns XLA's YNNPACK dots off process-wide for the
+    train step's sake. Decode steps are the opposite case: their matmuls have few rows (the batch), where XLA's
     own matmul streams the weights at about half the speed of a matrix-vector product, and YNNPACK's
     dots are faster (``benchmarks.decode_speed``'s 20m model at batch 8: 8.0-8.6 -> 6.1 ms/token on
     2 idle cores, 15.6-16.3 -> 10.2-11.5 with a third process busy on a core; batch 1 within
-    noise; same tokens). So when the flag in ``XLA_FLAGS`` is the one :func:`use_default_flags`
+    noise; same tokens). So when the YNN flag in ``XLA_FLAGS`` is the one :func:`use_default_flags`
     appended (recorded in ``$ICML_JAX_ADDED_XLA_FLAGS``), the decode programs compile with jax's own
     default list instead (:data:`JAX_DEFAULT_YNN_FUSIONS`). A value the user set is left to rule, and
     other backends get no options."""

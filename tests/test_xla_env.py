@@ -9,25 +9,31 @@ from icml_jax import xla_env
 from icml_jax.config_utils import REPO_ROOT
 
 
-def test_use_default_flags_appends_keeps_and_opts_out():
+@pytest.mark.parametrize("avx512", [False, True])
+def test_use_default_flags_appends_keeps_and_opts_out(monkeypatch, avx512):
+    flags = (xla_env.CPU_FLAGS[0],) + ((xla_env.VECTOR_FLAG,) if avx512 else ())
+    monkeypatch.setattr(xla_env, "CPU_FLAGS", flags)  # both hosts' flag sets, whatever this CPU is
     env = {"XLA_FLAGS": "--xla_foo=1"}
     assert xla_env.use_default_flags(env)
-    assert env["XLA_FLAGS"].split() == ["--xla_foo=1", *xla_env.CPU_FLAGS]
+    assert env["XLA_FLAGS"].split() == ["--xla_foo=1", *flags]
     assert not xla_env.use_default_flags(env)  # already there: unchanged
-    assert env["XLA_FLAGS"].split() == ["--xla_foo=1", *xla_env.CPU_FLAGS]
+    assert env["XLA_FLAGS"].split() == ["--xla_foo=1", *flags]
     mine = {"XLA_FLAGS": "--xla_cpu_experimental_ynn_fusion_type=dot"}  # the user's own value wins
-    xla_env.use_default_flags(mine)
-    assert mine["XLA_FLAGS"].split() == ["--xla_cpu_experimental_ynn_fusion_type=dot",
-                                         *[f for f in xla_env.CPU_FLAGS if not f.startswith(xla_env.YNN_FLAG)]]
+    assert xla_env.use_default_flags(mine) is avx512  # only the vector flag is left to append
+    assert mine["XLA_FLAGS"].split() == ["--xla_cpu_experimental_ynn_fusion_type=dot", *flags[1:]]
     off = {xla_env.OPT_OUT_ENV: "1"}
     assert not xla_env.use_default_flags(off) and "XLA_FLAGS" not in off
     empty = {}
-    assert xla_env.use_default_flags(empty) and empty["XLA_FLAGS"] == " ".join(xla_env.CPU_FLAGS)
+    assert xla_env.use_default_flags(empty) and empty["XLA_FLAGS"] == " ".join(flags)
     # what it appended is recorded (for decode_compiler_options, in this process and its children)
-    names = sorted(f.split("=", 1)[0] for f in xla_env.CPU_FLAGS)
+    names = sorted(f.split("=", 1)[0] for f in flags)
     assert empty[xla_env.ADDED_ENV].split() == names and env[xla_env.ADDED_ENV].split() == names
-    assert xla_env.YNN_FLAG not in mine.get(xla_env.ADDED_ENV, "").split()
+    assert mine.get(xla_env.ADDED_ENV, "").split() == ([xla_env.VECTOR_FLAG.split("=")[0]] if avx512 else [])
     assert xla_env.ADDED_ENV not in off
+    # decode programs: jax's YNN dots when the YNN flag is ours, with or without the vector flag
+    assert xla_env.decode_compiler_options(empty) == {
+        "xla_cpu_experimental_ynn_fusion_type": xla_env.JAX_DEFAULT_YNN_FUSIONS}
+    assert xla_env.decode_compiler_options(mine) is None
 
 
 @pytest.mark.parametrize("flags,want", [("fpu sse avx2 avx512f avx512bw", True), ("fpu sse avx2 fma", False),
@@ -38,7 +44,6 @@ def test_vector_width_flag_follows_avx512(tmp_path, flags, want):
     if flags is not None:
         info.write_text(f"processor\t: 0\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: {flags}\n")
     assert xla_env.cpu_has_avx512(str(info)) is want
-    assert (xla_env.VECTOR_FLAG in xla_env.CPU_FLAGS) is xla_env.cpu_has_avx512()
 
 
 def test_decode_programs_get_jax_default_ynn_dots_only_when_the_flag_is_ours():

@@ -191,7 +191,7 @@ class MatrixNorm(nn.Module):
     """Norm over all E·K entries of each token's matrix with an elementwise [E, K] gain.
 
     ``rms_matrix`` (reference): x / sqrt(mean(x²) + eps) · g; ``layernorm``: (x - mean) /
-    sqrt(var + eps) · g. Statistics in float32; output in ``dtype``."""
+    sqrt(var + eps) · g. Statistics in (at least) float32; output in ``dtype``."""
     kind: str
     eps: float
     dtype: jnp.dtype
@@ -337,7 +337,9 @@ class RMTIO(nn.Module):
         """Final norm -> R retrievals -> logits float32 [B, T, V]."""
         u_BTRE = retrieve(self.final_norm(h.x), self.unembed_retrieve)
         B, T, R, E = u_BTRE.shape
-        w_DV = self.unembed_REV.astype(u_BTRE.dtype).reshape(R * E, -1)  # R (sharded) stays major
+        # [R·E, V]: R and E are unsharded under our rules (vocab takes `tensor`); a rule sharding E
+        # would make this reshape gather the weight
+        w_DV = self.unembed_REV.astype(u_BTRE.dtype).reshape(R * E, -1)
         if u_BTRE.dtype == wide_dtype(u_BTRE.dtype):  # float32: ``matmul``'s backward transposes
             logits = matmul(u_BTRE.reshape(B, T, R * E), w_DV)  # u, not the V-wide cotangent
         else:  # a low-precision model: logits accumulated and returned in float32

@@ -68,7 +68,7 @@ def test_dots_remat_saves_the_custom_vjp_matmuls(preset):
         cost = compiled.cost_analysis()
         flops[remat] = (cost[0] if isinstance(cost, list) else cost)["flops"]
     assert dots["dots"] == dots["none"] < dots["full"], dots
-    assert flops["none"] < flops["dots"] < flops["full"], flops
+    assert flops["none"] <= flops["dots"] < flops["full"], flops
 
 
 _SHARD_SCRIPT = r"""
