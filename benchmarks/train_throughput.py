@@ -53,6 +53,9 @@ from benchmarks.common import RESULTS_DIR  # noqa: E402
 AB_VARIANTS = {"ours_attention_block=0": {"attention_block": 0}}  # causal query blocks off
 MATMUL_SHAPES = ((2048, 2048, 2048), (4096, 256, 704), (4096, 512, 1408), (4096, 1408, 512),
                  (4096, 512, 512))
+# batched matmuls (batch, M, K, N) of the attention core's shape on `20m` (B·G = 32 matrices of a
+# 64-query block's 2 heads x 64 dims against 256 keys): reported beside the peak, not part of it
+BMM_SHAPES = ((32, 128, 64, 256), (32, 128, 256, 64))
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -133,7 +136,15 @@ def child_matmul_jax(spec: dict) -> dict:
         f(a, b).block_until_ready()
         times = time_calls(lambda: f(a, b).block_until_ready(), spec["reps"])
         out[f"{m}x{k}x{n}"] = 2 * m * k * n / min(times) / 1e9
-    return {"gflops": out, "jax_version": jax.__version__}
+    bmm = {}
+    for nb, m, k, n in BMM_SHAPES:
+        a = jnp.asarray(np.random.default_rng(0).standard_normal((nb, m, k), np.float32))
+        b = jnp.asarray(np.random.default_rng(1).standard_normal((nb, k, n), np.float32))
+        f = jax.jit(jnp.matmul)
+        f(a, b).block_until_ready()
+        times = time_calls(lambda: f(a, b).block_until_ready(), spec["reps"])
+        bmm[f"{nb}x({m}x{k}x{n})"] = 2 * nb * m * k * n / min(times) / 1e9
+    return {"gflops": out, "bmm_gflops": bmm, "jax_version": jax.__version__}
 
 
 def child_matmul_torch(spec: dict) -> dict:
@@ -146,7 +157,15 @@ def child_matmul_torch(spec: dict) -> dict:
         torch.matmul(a, b)
         times = time_calls(lambda: torch.matmul(a, b), spec["reps"])
         out[f"{m}x{k}x{n}"] = 2 * m * k * n / min(times) / 1e9
-    return {"gflops": out, "torch_version": torch.__version__, "threads": torch.get_num_threads()}
+    bmm = {}
+    for nb, m, k, n in BMM_SHAPES:
+        g = torch.Generator().manual_seed(0)
+        a, b = torch.randn(nb, m, k, generator=g), torch.randn(nb, k, n, generator=g)
+        torch.matmul(a, b)
+        times = time_calls(lambda: torch.matmul(a, b), spec["reps"])
+        bmm[f"{nb}x({m}x{k}x{n})"] = 2 * nb * m * k * n / min(times) / 1e9
+    return {"gflops": out, "bmm_gflops": bmm, "torch_version": torch.__version__,
+            "threads": torch.get_num_threads()}
 
 
 def _lm_task(config):
@@ -402,6 +421,13 @@ def markdown(res: dict) -> str:
     jg, tg = res["matmul"].get("jax", {}).get("gflops", {}), res["matmul"].get("torch", {}).get("gflops", {})
     for shape in jg.keys() | tg.keys():
         lines.append(f"| {shape} | {jg.get(shape, float('nan')):,.0f} | {tg.get(shape, float('nan')):,.0f} |")
+    jb, tb = (res["matmul"].get(fw, {}).get("bmm_gflops", {}) for fw in ("jax", "torch"))
+    if jb or tb:
+        lines += ["", "Batched fp32 matmul (GFLOP/s; batch×(M×K×N), the attention core's dots on `20m`; "
+                  "not part of the peak; XLA:CPU runs a batched dot on one core):", "",
+                  "| shape | jax | torch |", "|---|---|---|"]
+        for shape in jb.keys() | tb.keys():
+            lines.append(f"| {shape} | {jb.get(shape, float('nan')):,.0f} | {tb.get(shape, float('nan')):,.0f} |")
     lines += ["", "Notes: step time is the minimum over the timed steps after a warm-up step "
               "(the machine may be shared, see the load average; the median is in the JSON). "
               "Peak memory: XLA step = `compiled.memory_analysis()` arguments + outputs − aliased + "
