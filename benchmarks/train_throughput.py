@@ -124,48 +124,43 @@ def _synthetic_tokens(batch: int, seq_len: int, vocab: int, seed: int = 0):
 
 # ----------------------------------------------------------------------------- children
 
+def _matmul_cases():
+    """(report key, shape of a, shape of b, FLOPs) per case: the 2-D ``MATMUL_SHAPES`` under
+    "gflops" (the peak) and the batched ``BMM_SHAPES`` under "bmm_gflops"."""
+    for m, k, n in MATMUL_SHAPES:
+        yield "gflops", f"{m}x{k}x{n}", (m, k), (k, n), 2 * m * k * n
+    for nb, m, k, n in BMM_SHAPES:
+        yield "bmm_gflops", f"{nb}x({m}x{k}x{n})", (nb, m, k), (nb, k, n), 2 * nb * m * k * n
+
+
+def _time_matmuls(make, run, reps: int) -> dict:
+    """GFLOP/s per case of :func:`_matmul_cases`: ``make(shape, seed)`` builds an operand,
+    ``run(a, b)`` multiplies and waits; best of ``reps`` after one warm-up call."""
+    out = {"gflops": {}, "bmm_gflops": {}}
+    for key, name, sa, sb, flops in _matmul_cases():
+        a, b = make(sa, 0), make(sb, 1)
+        run(a, b)
+        out[key][name] = flops / min(time_calls(lambda: run(a, b), reps)) / 1e9
+    return out
+
+
 def child_matmul_jax(spec: dict) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    out = {}
-    for m, k, n in MATMUL_SHAPES:
-        a = jnp.asarray(np.random.default_rng(0).standard_normal((m, k), np.float32))
-        b = jnp.asarray(np.random.default_rng(1).standard_normal((k, n), np.float32))
-        f = jax.jit(jnp.matmul)
-        f(a, b).block_until_ready()
-        times = time_calls(lambda: f(a, b).block_until_ready(), spec["reps"])
-        out[f"{m}x{k}x{n}"] = 2 * m * k * n / min(times) / 1e9
-    bmm = {}
-    for nb, m, k, n in BMM_SHAPES:
-        a = jnp.asarray(np.random.default_rng(0).standard_normal((nb, m, k), np.float32))
-        b = jnp.asarray(np.random.default_rng(1).standard_normal((nb, k, n), np.float32))
-        f = jax.jit(jnp.matmul)
-        f(a, b).block_until_ready()
-        times = time_calls(lambda: f(a, b).block_until_ready(), spec["reps"])
-        bmm[f"{nb}x({m}x{k}x{n})"] = 2 * nb * m * k * n / min(times) / 1e9
-    return {"gflops": out, "bmm_gflops": bmm, "jax_version": jax.__version__}
+    f = jax.jit(jnp.matmul)
+    out = _time_matmuls(lambda shape, seed: jnp.asarray(
+        np.random.default_rng(seed).standard_normal(shape, np.float32)),
+        lambda a, b: f(a, b).block_until_ready(), spec["reps"])
+    return {**out, "jax_version": jax.__version__}
 
 
 def child_matmul_torch(spec: dict) -> dict:
     import torch
     torch.set_num_threads(spec["threads"])
-    out = {}
-    for m, k, n in MATMUL_SHAPES:
-        g = torch.Generator().manual_seed(0)
-        a, b = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)
-        torch.matmul(a, b)
-        times = time_calls(lambda: torch.matmul(a, b), spec["reps"])
-        out[f"{m}x{k}x{n}"] = 2 * m * k * n / min(times) / 1e9
-    bmm = {}
-    for nb, m, k, n in BMM_SHAPES:
-        g = torch.Generator().manual_seed(0)
-        a, b = torch.randn(nb, m, k, generator=g), torch.randn(nb, k, n, generator=g)
-        torch.matmul(a, b)
-        times = time_calls(lambda: torch.matmul(a, b), spec["reps"])
-        bmm[f"{nb}x({m}x{k}x{n})"] = 2 * nb * m * k * n / min(times) / 1e9
-    return {"gflops": out, "bmm_gflops": bmm, "torch_version": torch.__version__,
-            "threads": torch.get_num_threads()}
+    out = _time_matmuls(lambda shape, seed: torch.randn(*shape, generator=torch.Generator().manual_seed(seed)),
+                        torch.matmul, spec["reps"])
+    return {**out, "torch_version": torch.__version__, "threads": torch.get_num_threads()}
 
 
 def _lm_task(config):

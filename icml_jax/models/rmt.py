@@ -70,7 +70,8 @@ import numpy as np
 
 from icml_jax.models.attention import (NEG_INF, KVCache, attention_mask, causal_attention,
                                        query_block_count)
-from icml_jax.models.layers import constrain, get_dtype, matmul, param, rms_norm, upcast, wide_dtype
+from icml_jax.models.layers import (constrain, get_dtype, matmul, param, rms_norm, row_sum, upcast,
+                                    wide_dtype)
 from icml_jax.models.mlp import ACTIVATIONS
 from icml_jax.models.positions import alibi_distance
 from icml_jax.models.residual import RESIDUALS, OptimizerGroups, Stream, mlp_matrices
@@ -201,15 +202,14 @@ class MatrixNorm(nn.Module):
     def __call__(self, x_BTEK):
         g_EK = param(self, "scale", nn.initializers.ones, x_BTEK.shape[-2:], ("rmt_value", "rmt_key"),
                      self.param_dtype)
-        if self.kind == "rms_matrix":  # Llama's RMSNorm over the E·K entries as one row
-            EK = x_BTEK.shape[-2] * x_BTEK.shape[-1]
-            return rms_norm(x_BTEK.reshape(x_BTEK.shape[:-2] + (EK,)), g_EK.reshape(EK), self.eps,
-                            jnp.dtype(self.dtype)).reshape(x_BTEK.shape)
-        x = upcast(x_BTEK)
+        # both kinds are ``layers.rms_norm`` over the E·K entries taken as one row (its VJP, no
+        # reduce-window passes); layernorm centres the row first
+        EK = x_BTEK.shape[-2] * x_BTEK.shape[-1]
+        x = x_BTEK.reshape(x_BTEK.shape[:-2] + (EK,))
         if self.kind == "layernorm":
-            x = x - jnp.mean(x, axis=(-2, -1), keepdims=True)
-        y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=(-2, -1), keepdims=True) + self.eps)
-        return (y * upcast(g_EK)).astype(self.dtype)
+            x = upcast(x)
+            x = x - row_sum(x) / EK
+        return rms_norm(x, g_EK.reshape(EK), self.eps, jnp.dtype(self.dtype)).reshape(x_BTEK.shape)
 
 
 def _norm(c, name):
@@ -337,14 +337,14 @@ class RMTIO(nn.Module):
         """Final norm -> R retrievals -> logits float32 [B, T, V]."""
         u_BTRE = retrieve(self.final_norm(h.x), self.unembed_retrieve)
         B, T, R, E = u_BTRE.shape
+        u_BTD = u_BTRE.reshape(B, T, R * E)
         # [R·E, V]: R and E are unsharded under our rules (vocab takes `tensor`); a rule sharding E
         # would make this reshape gather the weight
-        w_DV = self.unembed_REV.astype(u_BTRE.dtype).reshape(R * E, -1)
-        if u_BTRE.dtype == wide_dtype(u_BTRE.dtype):  # float32: ``matmul``'s backward transposes
-            logits = matmul(u_BTRE.reshape(B, T, R * E), w_DV)  # u, not the V-wide cotangent
+        w_DV = self.unembed_REV.astype(u_BTD.dtype).reshape(R * E, -1)
+        if u_BTD.dtype == wide_dtype(u_BTD.dtype):  # float32: ``matmul``'s backward transposes
+            logits = matmul(u_BTD, w_DV)  # u, not the V-wide cotangent
         else:  # a low-precision model: logits accumulated and returned in float32
-            logits = jnp.einsum("BTD,DV->BTV", u_BTRE.reshape(B, T, R * E), w_DV,
-                                preferred_element_type=wide_dtype(u_BTRE.dtype))
+            logits = jnp.einsum("BTD,DV->BTV", u_BTD, w_DV, preferred_element_type=wide_dtype(u_BTD.dtype))
         logits = upcast(logits) * output_multiplier(self.cfg)
         return constrain(logits, ("batch", "length", "act_vocab"))
 

@@ -658,3 +658,35 @@ def test_bfloat16_residual_dtype():
     np.testing.assert_array_equal(out.tokens[0], buf[0, len(prompt):])
     with pytest.raises(ValueError, match="config.model.rmt.residual_dtype"):
         _init(_cfg(rmt=dict(residual_dtype="bf16")).model)
+
+
+@pytest.mark.parametrize("kind", ["rms_matrix", "layernorm"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_matrix_norm_equals_its_formula(kind, dtype):
+    """MatrixNorm (both kinds on ``layers.rms_norm`` over the E·K entries) equals the reference
+    formula, (x [- mean]) / sqrt(mean((x [- mean])²) + eps) · g over each token's [E, K] matrix, in
+    values and in gradients for x and g (statistics in float32, output in the model dtype)."""
+    eps = 1e-5
+    kx, kg, kd = jax.random.split(jax.random.key(3), 3)
+    x = (jax.random.normal(kx, (2, 3, 6, 5)) * 2 + 0.5).astype(dtype)
+    g = 1 + 0.1 * jax.random.normal(kg, (6, 5))
+    dy = jax.random.normal(kd, x.shape)
+    norm = rmt.MatrixNorm(kind, eps, dtype, jnp.float32)
+
+    def ours(x, g):
+        return norm.apply({"params": {"scale": g}}, x)
+
+    def formula(x, g):
+        y = x.astype(jnp.float32)
+        if kind == "layernorm":
+            y = y - jnp.mean(y, axis=(-2, -1), keepdims=True)
+        y = y * jax.lax.rsqrt(jnp.mean(y * y, axis=(-2, -1), keepdims=True) + eps)
+        return (y * g).astype(dtype)
+
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == jnp.float32 else dict(rtol=2e-2, atol=2e-2)
+    (a, va), (b, vb) = jax.vjp(ours, x, g), jax.vjp(formula, x, g)
+    assert a.dtype == b.dtype == dtype
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), **tol)
+    for u, w in zip(va(dy.astype(dtype)), vb(dy.astype(dtype))):
+        assert u.dtype == w.dtype
+        np.testing.assert_allclose(np.asarray(u, np.float32), np.asarray(w, np.float32), **tol)
