@@ -5,12 +5,14 @@ from benchmarks import decode_speed
 
 
 def test_median_run_and_report_row():
-    runs = [dict(generate_s=g, prefill_s=p, compile_s=c, tokens=[[1, 2]], loadavg=l)
+    runs = [dict(generate_s=g, prefill_s=p, compile_s=c, matmul_floor_s=c / 1e3, tokens=[[1, 2]], loadavg=l)
             for g, p, c, l in ((1.0, 0.1, 2.0, 0.5), (3.0, 0.3, 4.0, 0.6), (2.0, 0.2, 3.0, 0.7))]
     m = decode_speed._median_run(runs)
-    assert (m["generate_s"], m["prefill_s"], m["compile_s"]) == (2.0, 0.2, 3.0)
+    assert (m["generate_s"], m["prefill_s"], m["compile_s"], m["matmul_floor_s"]) == (2.0, 0.2, 3.0, 3e-3)
     assert m["tokens"] == [[1, 2]] and m["loadavg"] == 0.5  # the first round's
-    o, h = decode_speed._summary(m, 8), decode_speed._summary(dict(generate_s=4.0, prefill_s=0.2), 8)
+    o = decode_speed._summary(m, 8)
+    h = decode_speed._summary(dict(generate_s=4.0, prefill_s=0.2, matmul_floor_s=5e-3), 8)
+    assert o["matmul_floor_ms"] == 3.0 and h["matmul_floor_ms"] == 5.0
     assert o["tokens_per_s"] == 8 * decode_speed.NEW_TOKENS / 2.0
     assert abs(o["per_token_ms"] - 1e3 * 1.8 / (decode_speed.NEW_TOKENS - 1)) < 1e-9
     for side in (o, h):
@@ -25,3 +27,28 @@ def test_median_run_and_report_row():
     assert "3 rounds per case" in md
     header, sep = [l for l in md.splitlines() if l.startswith("| model") or l.startswith("|---")]
     assert header.count("|") == sep.count("|")
+    # the floor bullet: 2x needs half of transformers' per-token latency
+    bullet = next(l for l in md.splitlines() if l.startswith("* 20m, batch 8"))
+    assert f"2x needs <= {h['per_token_ms'] / 2:.2f} ms/token" in bullet
+    assert "our matmuls alone take 3.00 ms, transformers' 5.00 ms" in bullet
+    assert "median of 15 passes" in md
+
+
+def test_matmul_shapes_do_the_same_work_on_both_sides():
+    """Ours fuses q/k/v and gate/up, transformers does not: the same multiply-adds either way, and
+    they are the model's weight matmuls (every layer's projections and MLP, plus the head)."""
+    from icml_jax.config_utils import load_config
+    m = load_config("configs/lm.py:20m", unlocked=True).model
+    ours, hf = (decode_speed.matmul_shapes(m, side) for side in ("ours", "hf"))
+    assert len(ours) == 4 * m.num_layers + 1 and len(hf) == 7 * m.num_layers + 1
+    macs = lambda shapes: sum(i * o for i, o in shapes)  # noqa: E731
+    q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    layer = m.d_model * (q + 2 * kv) + q * m.d_model + 3 * m.d_model * m.ffn_dim
+    assert macs(ours) == macs(hf) == m.num_layers * layer + m.d_model * m.vocab_size
+
+
+def test_matmul_floor_runs_ours():
+    from icml_jax.config_utils import load_config
+    m = load_config("configs/lm.py:tiny", unlocked=True).model
+    t = decode_speed.matmul_floor(m, "ours", 2, 2)
+    assert 0 < t < 10
