@@ -98,6 +98,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.param_dtype = "float32"
     c.model.remat = "none"  # none | full | dots (save matmul outputs)
     c.model.scan_layers = False
+    # decode a scan_layers model with its layers unrolled (generate, scored_decode, CoS): no per-layer
+    # KV-cache copy per step, at the cost of one per-layer copy of the weights per call and a longer
+    # compile; False decodes through the scanned loop (decoder.unrolled)
+    c.model.decode_unrolled = True
 
     c.data = ml_collections.ConfigDict()
     c.data.name = "shakespeare"  # shakespeare | text_files | jsonl | tfds:<name>[:<version>]

@@ -205,3 +205,18 @@ def test_three_models_greedy_equals_collaborative_and_samples_follow_r():
         collab.Combiner("we", weights=(0.5, 0.5))(*tabs[0][:3])
     with pytest.raises(ValueError, match="gamma"):
         collab.speculative_decode(models, [1], 3, comb, gamma=(2, 1))
+
+
+def test_flax_lm_of_a_scanned_model_decodes_unrolled_with_the_same_logits():
+    """A ``scan_layers`` model's FlaxLM runs its layers unrolled on the split params (its cache has
+    per-layer entries, no stacked ``layers`` cache, so nothing copies a layer's cache each step) and
+    gives the scanned model's full-forward logits."""
+    from icml_jax.models.decoder import build_model
+    cfg, params = _tiny(2, num_layers=2, scan_layers=True)
+    assert "layers" in params
+    lm = collab.FlaxLM(cfg, params, 64)
+    got = lm.feed([1, 5, 9, 20])
+    assert "layers" not in lm.params and {"layer_0", "layer_1"} <= set(lm.params)
+    assert not any("layers" in jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(lm.cache))
+    want = build_model(cfg).apply({"params": params}, jnp.asarray([[1, 5, 9, 20]]))[0]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

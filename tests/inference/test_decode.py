@@ -76,6 +76,21 @@ def test_cached_greedy_equals_full_forward(position, scan_layers, window):
     np.testing.assert_allclose(out.logits[0], want_logits, atol=1e-4, rtol=1e-5)
 
 
+def test_scanned_model_decodes_through_its_scanned_loop_when_asked():
+    """``config.model.decode_unrolled=False`` keeps a scan_layers model's scanned decode loop (the
+    stacked cache; no per-layer weight copy): the same tokens and logits as the full forward, as
+    the default unrolled decode gives them (``test_cached_greedy_equals_full_forward``)."""
+    cfg, params = _model("rope", True, 5)
+    cfg.decode_unrolled = False
+    split, decode_cfg = decode._unroll(cfg)
+    assert split == 0 and decode_cfg.scan_layers
+    want, want_logits = _reference_greedy(cfg, params, PROMPT, 12)
+    out = generate(cfg, params, [PROMPT], key=jax.random.key(0), max_new_tokens=12, temperature=0,
+                   return_logits=True)
+    np.testing.assert_array_equal(out.tokens[0], want)
+    np.testing.assert_allclose(out.logits[0], want_logits, atol=1e-4, rtol=1e-5)
+
+
 @pytest.mark.parametrize("position", ["fope", "alibi"])
 def test_cached_greedy_equals_full_forward_other_positions(position):
     """Position embeddings added later work through the same module interface, unchanged here."""
@@ -283,22 +298,29 @@ def test_greedy_matches_transformers(kind, tmp_path):
     np.testing.assert_array_equal(two.tokens, ref2[:, 7:].numpy())
 
 
-@pytest.mark.parametrize("batch,kv_heads", [(1, 1), (1, 2), (2, 1), (2, 2)])
-def test_decode_loop_updates_each_cache_once_and_copies_none(batch, kv_heads):
+@pytest.mark.parametrize("batch,kv_heads,scan", [(1, 1, False), (1, 2, False), (2, 1, False), (2, 2, False),
+                                                 (2, 2, True)])
+def test_decode_loop_updates_each_cache_once_and_copies_none(batch, kv_heads, scan):
     """The compiled while loop of ``generate`` touches each layer's K and V cache once per step:
     the only cache-sized results in its body are one in-place update per cache (no copy, no
     transpose, no second update). At batch 1 with (B, G) stored as two axes, XLA computed every
     update twice and copied each cache two to four times per step (``attention.KVCache``). Compiled
     with the decode loop's own options (``xla_env.decode_jit``) under the suite's XLA flags; the same
     count holds with XLA's default optimisation level (checked once). One KV head at batch 1 (the
-    cache without a leading axis) is also checked against the full forward, token for token."""
+    cache without a leading axis) is also checked against the full forward, token for token.
+
+    A ``scan_layers`` model decodes unrolled (``decoder.unrolled``), as ``generate`` builds it: its
+    stacked params are split inside the program, and the loop body then holds the same 2L in-place
+    updates (under ``nn.scan`` each layer's cache slice was copied out, updated and written back:
+    three extra cache-sized copies per layer per step)."""
     import re
 
     from icml_jax import xla_env
     from icml_jax.models import hooks
     cfg = load_config("configs/lm.py:tiny", unlocked=True).model
-    cfg.update(dict(num_layers=2, num_heads=2 * kv_heads, num_kv_heads=kv_heads))
+    cfg.update(dict(num_layers=2, num_heads=2 * kv_heads, num_kv_heads=kv_heads, scan_layers=scan))
     params = jax.tree.map(lambda x: x * 4.0, build_model(cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
+    assert ("layers" in params) == scan
     if batch == 1 and kv_heads == 1:
         want, want_logits = _reference_greedy(cfg, params, PROMPT, 6)
         out = generate(cfg, params, [PROMPT], key=jax.random.key(0), max_new_tokens=6, temperature=0,
@@ -307,13 +329,15 @@ def test_decode_loop_updates_each_cache_once_and_copies_none(batch, kv_heads):
         np.testing.assert_allclose(out.logits[0], want_logits, atol=1e-4, rtol=1e-5)
     P, N = 4, 8
     tokens, positions, segments = decode.pad_prompts([[1, 2, 3]] * batch, P, 0)
-    model, edit_args = hooks.split_model(build_model(cfg, decode=True))
+    split, decode_cfg = decode._unroll(cfg)
+    assert split == (cfg.num_layers if scan else 0) and not decode_cfg.scan_layers
+    model, edit_args = hooks.split_model(build_model(decode_cfg, decode=True))
     jitted = jax.jit(decode._generate.__wrapped__, compiler_options=xla_env.decode_compiler_options(),
-                     static_argnames=("model", "max_new", "mode", "return_logits", "return_stats"))
+                     static_argnames=("model", "max_new", "mode", "return_logits", "return_stats", "split"))
     hlo = jitted.lower(model, params, None, tokens, positions, segments, jax.random.key(0), jnp.float32(1.0),
                        jnp.int32(0), jnp.float32(1.0), jnp.asarray([-1], jnp.int32), jnp.int32(0), edit_args,
                        max_new=N, mode=decode.SamplerMode(True, False, False),
-                       return_logits=False).compile().as_text()
+                       return_logits=False, split=split).compile().as_text()
     body_name = re.search(r"body=%?([\w.\-]+)", hlo).group(1)
     start = hlo.index(f"\n%{body_name} ")
     body = hlo[start:hlo.index("\n}\n", start)].split("\n")
