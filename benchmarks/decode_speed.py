@@ -183,6 +183,41 @@ def matmul_floor(model_cfg, side: str, B: int, repeats: int) -> float:
     return median_time(run, repeats) / (PASSES if side == "ours" else 1)
 
 
+def scan_cost(model_cfg, B: int, new_tokens: int, repeats: int) -> dict:
+    """A ``scan_layers`` copy of ``model_cfg`` (random weights), greedy ``generate`` of
+    ``new_tokens`` after a 64-token prompt at batch ``B``, decoded unrolled (the default,
+    ``config.model.decode_unrolled``) and through the scanned loop, alternating in one process:
+    median ms per new token of each (compile excluded) and whether the tokens agree."""
+    import jax
+    import jax.numpy as jnp
+    import ml_collections
+
+    from icml_jax.inference import decode
+    from icml_jax.models.decoder import build_model
+    cfg = ml_collections.ConfigDict(model_cfg.to_dict())
+    cfg.scan_layers, cfg.max_seq_len = True, max(cfg.max_seq_len, PROMPT_LEN + new_tokens)
+    params = jax.jit(build_model(cfg).init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+    prompts = np.random.default_rng(B).integers(3, cfg.vocab_size, (B, PROMPT_LEN)).tolist()
+    variants = {}
+    for unrolled in (True, False):
+        c = ml_collections.ConfigDict(cfg.to_dict())
+        c.decode_unrolled = unrolled
+        variants["unrolled" if unrolled else "scanned"] = c
+    run = lambda c: decode.generate(c, params, prompts, key=jax.random.key(0),  # noqa: E731
+                                    max_new_tokens=new_tokens, temperature=0).tokens
+    tokens = {k: np.asarray(run(c)) for k, c in variants.items()}  # warm-up = compile
+    times = {k: [] for k in variants}
+    for _ in range(repeats):
+        for k, c in variants.items():
+            t0 = time.perf_counter()
+            run(c)
+            times[k].append(time.perf_counter() - t0)
+    out = {k: 1e3 * float(np.median(v)) / new_tokens for k, v in times.items()}
+    return dict(batch=B, slots=PROMPT_LEN + new_tokens, ms_per_token=out,
+                ratio=out["scanned"] / out["unrolled"],
+                tokens_agree=bool((tokens["scanned"] == tokens["unrolled"]).all()))
+
+
 def _summary(r: dict, B: int) -> dict:
     per_token = (r["generate_s"] - r["prefill_s"]) / (NEW_TOKENS - 1)
     return dict(tokens_per_s=B * NEW_TOKENS / r["generate_s"], generate_s=r["generate_s"],
@@ -229,9 +264,13 @@ def _child(args) -> None:
 
 
 def _run_child(kind, folder, vocab, batch, args) -> dict:
-    cmd = [sys.executable, "-m", "benchmarks.decode_speed", f"--child={kind}", f"--folder={folder}",
-           f"--vocab={vocab}", f"--batch={batch}", f"--repeats={args.repeats}",
-           f"--threads={args.threads}"]
+    return _run_process([f"--child={kind}", f"--folder={folder}", f"--vocab={vocab}", f"--batch={batch}",
+                         f"--repeats={args.repeats}", f"--threads={args.threads}"])
+
+
+def _run_process(flags) -> dict:
+    """This module in a fresh process with ``flags``; its ``RESULT`` line as a dict."""
+    cmd = [sys.executable, "-m", "benchmarks.decode_speed", *flags]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_ROOT)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     if proc.returncode or not lines:
@@ -249,11 +288,21 @@ def main(argv=None) -> dict:
                     help="child-process pairs per case (alternating which side goes first); the report "
                          "takes each side's median over them and lists the per-round speedups")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    ap.add_argument("--child", choices=["ours", "hf"], help=argparse.SUPPRESS)
+    ap.add_argument("--scan-cases", default="1:128,8:128,1:960",
+                    help="batch:new_tokens cases of the scanned-model comparison on the last preset "
+                         "('' = none)")
+    ap.add_argument("--child", choices=["ours", "hf", "scan"], help=argparse.SUPPRESS)
+    ap.add_argument("--preset", help=argparse.SUPPRESS)
+    ap.add_argument("--new", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--folder", help=argparse.SUPPRESS)
     ap.add_argument("--vocab", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--batch", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.child == "scan":
+        from icml_jax.config_utils import load_config
+        cfg = load_config(f"configs/lm.py:{args.preset}", unlocked=True).model
+        print("RESULT " + json.dumps(scan_cost(cfg, args.batch, args.new, args.repeats)))
+        return None
     if args.child:
         return _child(args)
     if args.rounds < 1 or args.repeats < 1:
@@ -307,6 +356,15 @@ def main(argv=None) -> dict:
                       f"{h['prefill_ms']:.1f} ms, {h['per_token_ms']:.2f} ms/token) | "
                       f"{row['speedup']:.1f}x | tokens agree {same:.0%}", flush=True)
 
+    scan = []  # a scanned copy of the last preset: unrolled vs scanned decode loop, own process each
+    for case in filter(None, args.scan_cases.split(",")):
+        B, new = (int(x) for x in case.split(":"))
+        scan.append(_run_process(["--child=scan", f"--preset={preset}", f"--batch={B}", f"--new={new}",
+                                  f"--repeats={args.repeats}"]))
+        print(f"scanned {preset} B={B}, {scan[-1]['slots']} slots: unrolled "
+              f"{scan[-1]['ms_per_token']['unrolled']:.2f} vs scanned loop "
+              f"{scan[-1]['ms_per_token']['scanned']:.2f} ms/token", flush=True)
+
     env = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), memory_gb_per_s=memory_bandwidth(),
                machine=platform.machine(), cpus=os.cpu_count(), python=sys.version.split()[0],
                jax=jax.__version__, torch=torch.__version__, transformers=transformers.__version__,
@@ -314,7 +372,7 @@ def main(argv=None) -> dict:
                loadavg=os.getloadavg(), prompt_len=PROMPT_LEN, new_tokens=NEW_TOKENS,
                repeats=args.repeats, rounds=args.rounds,
                decode_compiler_options=xla_env.decode_compiler_options())
-    report = dict(env=env, results=rows, notes=(
+    report = dict(env=env, results=rows, scan=scan, scan_preset=preset, notes=(
         "Greedy, float32, no stop tokens. Same random weights on both sides (HF LlamaForCausalLM "
         "saved with save_pretrained, imported with icml_jax.interop.load_hf). Each measurement runs "
         "in its own child process. Compile time is excluded (warm-up run) and listed separately. "
@@ -386,7 +444,18 @@ def _markdown(report: dict) -> str:
                          f"{o['per_token_ms'] - o['matmul_floor_ms']:.2f} ms, of theirs "
                          f"{h['per_token_ms'] - h.get('matmul_floor_ms', float('nan')):.2f} ms")
     lines += [""]
-
+    if report.get("scan"):
+        lines += [f"Scanned layers: a `scan_layers=True` copy of `{report['scan_preset']}` (random weights, "
+                  "greedy, 64-token prompt), decoded unrolled (the default: `config.model.decode_unrolled`, "
+                  "the stacked params split per layer once per call) and through the scanned loop (each "
+                  "layer's slice of the stacked KV cache copied out and written back every step), alternating in "
+                  "one process, medians:", "",
+                  "| batch | cache slots | unrolled ms/token | scanned loop ms/token | scanned / unrolled | same tokens |",
+                  "|---:|---:|---:|---:|---:|---|"]
+        for r in report["scan"]:
+            lines.append(f"| {r['batch']} | {r['slots']} | {r['ms_per_token']['unrolled']:.2f} | "
+                         f"{r['ms_per_token']['scanned']:.2f} | {r['ratio']:.2f}x | {r['tokens_agree']} |")
+        lines += [""]
     return "\n".join(lines)
 
 

@@ -32,6 +32,11 @@ def test_median_run_and_report_row():
     assert f"2x needs <= {h['per_token_ms'] / 2:.2f} ms/token" in bullet
     assert "our matmuls alone take 3.00 ms, transformers' 5.00 ms" in bullet
     assert "median of 15 passes" in md
+    assert "Scanned layers" not in md  # no scan table without scan results
+    report["scan"], report["scan_preset"] = [dict(batch=1, slots=1024, ms_per_token=dict(unrolled=5.0, scanned=18.0),
+                                                  ratio=3.6, tokens_agree=True)], "20m"
+    md = decode_speed._markdown(report)
+    assert "| 1 | 1024 | 5.00 | 18.00 | 3.60x | True |" in md and "copy of `20m`" in md
 
 
 def test_matmul_shapes_do_the_same_work_on_both_sides():
@@ -52,3 +57,13 @@ def test_matmul_floor_runs_ours():
     m = load_config("configs/lm.py:tiny", unlocked=True).model
     t = decode_speed.matmul_floor(m, "ours", 2, 2)
     assert 0 < t < 10
+
+
+def test_scan_cost_runs_both_loops_and_they_agree():
+    """The scanned-model comparison on the tiny preset: both decode loops run (one compile each)
+    and give the same greedy tokens."""
+    from icml_jax.config_utils import load_config
+    m = load_config("configs/lm.py:tiny", unlocked=True).model
+    r = decode_speed.scan_cost(m, 2, 8, 1)
+    assert r["tokens_agree"] and r["slots"] == decode_speed.PROMPT_LEN + 8
+    assert set(r["ms_per_token"]) == {"unrolled", "scanned"} and r["ratio"] > 0
