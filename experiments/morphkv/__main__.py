@@ -79,10 +79,10 @@ PRESETS["long1k"] = preset(**{
 # sequences: 24 pairs (the most distinct one-token keys the byte tokenizer's control characters
 # give is 26; the spec's 32 would need two-token keys), budgets from the spec's N = 64 and 128 down
 # to 32, the spec's windows W = 8 / 16 / 32 (W = 16 in the main grid), a quarter of the training
-# sequences topic-style as in ``long``; lr 1e-3 for the 4x wider model
+# sequences topic-style as in ``long``; lr 1e-3 for the 4x wider model; 2 seeds (~25 min each)
 PRESETS["spec"] = preset(**{
     **PRESETS["long"].to_dict(), "pairs": 24, "num_keys": 24, "budgets": (32, 64, 128), "window_ablation": (8, 32),
-    "ablation_budget": 64,
+    "ablation_budget": 64, "seeds": (0, 1),
     "model": dict(model=dict(d_model=256, num_layers=4, num_heads=8, num_kv_heads=2, head_dim=32, ffn_dim=704)),
     "train": dict(train={**PRESETS["default"].train.train.to_dict(), "lr": 1e-3})})
 FIELDS = ("testbed", "seed", "policy", "fuse", "slots", "window", "peak_slots", "kv_bytes", "recall", "recall_first",

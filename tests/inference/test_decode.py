@@ -310,9 +310,10 @@ def test_decode_loop_updates_each_cache_once_and_copies_none(batch, kv_heads, sc
     cache without a leading axis) is also checked against the full forward, token for token.
 
     A ``scan_layers`` model decodes unrolled (``decoder.unrolled``), as ``generate`` builds it: its
-    stacked params are split inside the program, and the loop body then holds the same 2L in-place
-    updates (under ``nn.scan`` each layer's cache slice was copied out, updated and written back:
-    three extra cache-sized copies per layer per step)."""
+    stacked params are split inside the program, before the loop (no weight is sliced in the loop
+    body: checked, and it fails when the split moves into the step), and the loop body then holds
+    the same 2L in-place updates (under ``nn.scan`` each layer's cache slice was copied out,
+    updated and written back: extra cache-sized copies per layer per step)."""
     import re
 
     from icml_jax import xla_env
@@ -347,3 +348,8 @@ def test_decode_loop_updates_each_cache_once_and_copies_none(batch, kv_heads, sc
              and np.prod([int(d) for d in m.group(2).split(",")]) == size and m.group(3) != "get-tuple-element"]
     assert len(sized) == 2 * cfg.num_layers, "\n".join(line.strip()[:160] for _, line in sized)
     assert all(re.search(r"dynamic.update.slice", line) for _, line in sized), sized
+    if scan:  # the stacked params are split once, before the loop: no layer's weight is sliced in it
+        weights = {tuple(x.shape[1:]) for x in jax.tree.leaves(params["layers"]) if x.ndim > 2}
+        sliced = [line for line in body if (m := re.match(r"\s*(?:ROOT )?%\S+ = f32\[([\d,]+)\]", line))
+                  and tuple(int(d) for d in m.group(1).split(",")) in weights and "slice" in line]
+        assert weights and not sliced, sliced
