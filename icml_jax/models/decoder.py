@@ -108,9 +108,10 @@ def unrolled(model_cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     the decode loops run a scanned model's layers unrolled (``inference.decode``, ``collab``).
 
     Under ``nn.scan`` every layer's slice of the stacked KV cache is copied out, updated and written
-    back on every step (three cache-sized copies per layer in the compiled loop), so a scanned
-    model decoded 1.8x slower at batch 8 and 3.6x slower at batch 1 with a 1024-slot cache than the
-    same weights unrolled; unrolled, each cache is updated in place. :func:`split_layers` gives the
+    back on every step (extra cache-sized copies per layer in the compiled loop), so a scanned
+    model decoded 1.8x slower than the same weights unrolled at batch 1 and 8 with 192 cache slots,
+    and 2.4x slower at batch 1 with 1024 (``benchmarks.decode_speed``, 20m dims); unrolled, each
+    cache is updated in place. :func:`split_layers` gives the
     params (and a sparsity tree) the unrolled layout: a per-layer copy of the weights for the call
     (the stacked ones stay), and the unrolled step compiles longer. ``config.model.decode_unrolled
     = False`` keeps the scanned loop (e.g. when the weights cannot be held twice)."""
