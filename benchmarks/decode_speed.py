@@ -137,6 +137,11 @@ def memory_bandwidth(mib: int = 512, repeats: int = 5) -> dict:
     return dict(copy=copy, read=read)
 
 
+def random_prompts(B: int, vocab: int) -> np.ndarray:
+    """B random PROMPT_LEN-token prompts (ids >= 3: no special tokens), the same for a given B."""
+    return np.random.default_rng(B).integers(3, vocab, (B, PROMPT_LEN))
+
+
 def matmul_shapes(model_cfg, side: str) -> list:
     """(in, out) of every weight matmul one decode step runs, in ``side``'s own layout: ours fuses
     q/k/v into one projection and gate/up into another; transformers' Llama runs them separately.
@@ -197,7 +202,7 @@ def scan_cost(model_cfg, B: int, new_tokens: int, repeats: int) -> dict:
     cfg = ml_collections.ConfigDict(model_cfg.to_dict())
     cfg.scan_layers, cfg.max_seq_len = True, max(cfg.max_seq_len, PROMPT_LEN + new_tokens)
     params = jax.jit(build_model(cfg).init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
-    prompts = np.random.default_rng(B).integers(3, cfg.vocab_size, (B, PROMPT_LEN)).tolist()
+    prompts = random_prompts(B, cfg.vocab_size).tolist()
     variants = {}
     for unrolled in (True, False):
         c = ml_collections.ConfigDict(cfg.to_dict())
@@ -241,7 +246,7 @@ def _child(args) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    prompts = np.random.default_rng(args.batch).integers(3, args.vocab, (args.batch, PROMPT_LEN))
+    prompts = random_prompts(args.batch, args.vocab)
     if args.child == "ours":
         from icml_jax.interop import load_hf
         cfg, params = load_hf(args.folder)

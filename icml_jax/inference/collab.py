@@ -296,10 +296,10 @@ class FlaxLM:
 
     def __init__(self, model_cfg, params, max_len: int | None = None):
         from icml_jax.inference.decode import init_cache
-        from icml_jax.models.decoder import build_model, decodes_unrolled, split_layers, unrolled
-        if decodes_unrolled(model_cfg):  # the scanned loop would copy each layer's cache per step
-            params = split_layers(params, model_cfg.num_layers)
-        model = build_model(unrolled(model_cfg), decode=True)
+        from icml_jax.models.decoder import build_model, split_layers, unrolled
+        decode_cfg, split = unrolled(model_cfg)  # a scanned model runs unrolled (decoder.unrolled)
+        params = split_layers(params, split)
+        model = build_model(decode_cfg, decode=True)
         self.params = params
         self.max_len = int(max_len or model_cfg.max_seq_len)
         # every sequence starts from a fresh zero cache (one call): the step donates its cache

@@ -40,7 +40,7 @@ import ml_collections
 import numpy as np
 
 from icml_jax.models import hooks, sparse_ffn
-from icml_jax.models.decoder import build_model, decodes_unrolled, split_layers, unrolled
+from icml_jax.models.decoder import build_model, split_layers, unrolled
 from icml_jax.models.layers import layer_order_key
 from icml_jax.models.mlp import is_gated
 from icml_jax.xla_env import decode_jit
@@ -133,8 +133,8 @@ def _generate(model, params, sparsity, tokens_BP, positions_BP, segments_BP, key
               top_p, stop_tokens, pad_id, edit_args, *, max_new: int, mode: SamplerMode, return_logits: bool,
               return_stats: bool = False, split: int = 0):
     B, P = tokens_BP.shape
-    if split:  # a scanned model's stacked layers, unrolled once, before the loop (``unrolled``)
-        params, sparsity = split_layers(params, split), split_layers(sparsity, split)
+    # a scanned model's stacked layers, split once, before the loop (``decoder.unrolled``)
+    params, sparsity = split_layers(params, split), split_layers(sparsity, split)
     model = hooks.bind_model(model, edit_args)
     cache = init_cache(model, B, P + max_new)
     variables = {"params": params}
@@ -207,7 +207,7 @@ def _generate(model, params, sparsity, tokens_BP, positions_BP, segments_BP, key
 def _scored(model, params, tokens_BT, edit_args, *, prompt_len: int, split: int = 0):
     """(log p(token_i | tokens_<i) [B, T - 1], the argmax token at each of those steps [B, T - 1])."""
     model = hooks.bind_model(model, edit_args)
-    params = split_layers(params, split) if split else params
+    params = split_layers(params, split)
     B, T = tokens_BT.shape
     P = prompt_len
     cache = init_cache(model, B, T)
@@ -249,7 +249,7 @@ def scored_decode(model_cfg: ml_collections.ConfigDict, params, tokens, *, promp
     if tokens.shape[1] > model_cfg.max_seq_len:
         raise ValueError(f"scored_decode: {tokens.shape[1]} tokens exceed the model's max_seq_len="
                          f"{model_cfg.max_seq_len}")
-    split, model_cfg = _unroll(model_cfg)
+    model_cfg, split = unrolled(model_cfg)
     if kv_policy is not None:
         model_cfg = _with_kv_policy(model_cfg, kv_policy)
     model, edit_args = hooks.split_model(build_model(model_cfg, decode=True, edits=edits))
@@ -356,7 +356,7 @@ def generate(model_cfg: ml_collections.ConfigDict, params, prompts_tokens: Seque
     mode = SamplerMode(greedy=greedy, use_top_k=not greedy and top_k > 0,
                        use_top_p=not greedy and top_p < 1.0)
     stops = jnp.asarray(list(stop_tokens) or [-1], jnp.int32)
-    split, model_cfg = _unroll(model_cfg)
+    model_cfg, split = unrolled(model_cfg)
     model_cfg = _with_capacity(model_cfg, sparse_capacity, sparsity, len(prompts_tokens))
     if kv_policy is not None:
         model_cfg = _with_kv_policy(model_cfg, kv_policy)
@@ -369,13 +369,6 @@ def generate(model_cfg: ml_collections.ConfigDict, params, prompts_tokens: Seque
     return GenerateOutput(np.asarray(out), np.asarray(lengths), np.asarray(lps),
                           np.asarray(lgs) if return_logits else None,
                           {k: np.asarray(v) for k, v in stats.items()} if return_sparse_stats else None)
-
-
-def _unroll(model_cfg):
-    """(L to split the stacked params into, or 0; the config the decode model is built from): a
-    ``scan_layers`` model decodes with its layers unrolled unless ``config.model.decode_unrolled``
-    is False (``decoder.unrolled``: the scanned loop copies every layer's KV cache each step)."""
-    return (int(model_cfg.num_layers) if decodes_unrolled(model_cfg) else 0), unrolled(model_cfg)
 
 
 def _with_kv_policy(model_cfg, policy):

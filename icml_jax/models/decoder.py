@@ -103,39 +103,33 @@ def build_model(model_cfg: ml_collections.ConfigDict, decode: bool = False,
     return Decoder(ml_collections.FrozenConfigDict(model_cfg), decode=decode, edits=edits or None)
 
 
-def unrolled(model_cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """``model_cfg`` with ``scan_layers=False`` (a copy; the same object when already unscanned):
-    the decode loops run a scanned model's layers unrolled (``inference.decode``, ``collab``).
+def unrolled(model_cfg: ml_collections.ConfigDict) -> tuple[ml_collections.ConfigDict, int]:
+    """(the config a decode loop builds its model from, L to split the stacked variables into with
+    :func:`split_layers`, 0 for none): a ``scan_layers`` model decodes with its layers unrolled
+    (``inference.decode``, ``collab``) unless ``config.model.decode_unrolled`` is False (configs
+    saved before that key existed count as True); other configs come back as they are, with 0.
 
     Under ``nn.scan`` every layer's slice of the stacked KV cache is copied out, updated and written
     back on every step (extra cache-sized copies per layer in the compiled loop), so a scanned
     model decoded 1.8x slower than the same weights unrolled at batch 1 and 8 with 192 cache slots,
     and 2.4x slower at batch 1 with 1024 (``benchmarks.decode_speed``, 20m dims); unrolled, each
-    cache is updated in place. :func:`split_layers` gives the
-    params (and a sparsity tree) the unrolled layout: a per-layer copy of the weights for the call
-    (the stacked ones stay), and the unrolled step compiles longer. ``config.model.decode_unrolled
-    = False`` keeps the scanned loop (e.g. when the weights cannot be held twice)."""
-    if not decodes_unrolled(model_cfg):
-        return model_cfg
+    cache is updated in place. The price: :func:`split_layers` makes a per-layer copy of the weights
+    for the call (the stacked ones stay), and the unrolled step compiles longer;
+    ``decode_unrolled=False`` keeps the scanned loop (e.g. when the weights cannot be held twice)."""
+    if not (model_cfg.scan_layers and model_cfg.get("decode_unrolled", True)):
+        return model_cfg, 0
     cfg = ml_collections.ConfigDict(model_cfg.to_dict())
     cfg.scan_layers = False
-    return cfg
-
-
-def decodes_unrolled(model_cfg) -> bool:
-    """Whether the decode loops unroll this model's layers: a ``scan_layers`` model with
-    ``config.model.decode_unrolled`` (default True; configs saved before the key existed count as
-    True)."""
-    return bool(model_cfg.scan_layers) and bool(model_cfg.get("decode_unrolled", True))
+    return cfg, int(model_cfg.num_layers)
 
 
 def split_layers(tree, num_layers: int):
     """A scanned model's variables (params, a sparsity tree) in the unrolled layout: the stacked
     ``layers`` subtree (leading axis L) becomes ``layer_0`` .. ``layer_{L-1}``; other entries are
-    kept. Boxed (partitioned) leaves are unboxed first. A tree without ``layers`` (already unrolled,
-    or None) is returned as it is. Jit-friendly: inside a jitted decode loop the slices are taken
-    once, before the loop."""
-    if tree is None or "layers" not in tree:
+    kept. Boxed (partitioned) leaves are unboxed first. With ``num_layers`` 0, or a tree without
+    ``layers`` (or None), the tree comes back as it is. Jit-friendly: inside a jitted decode loop
+    the slices are taken once, before the loop."""
+    if not num_layers or tree is None or "layers" not in tree:
         return tree
     tree = nn.meta.unbox(tree)
     out = {k: v for k, v in tree.items() if k != "layers"}

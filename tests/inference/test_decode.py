@@ -14,7 +14,7 @@ import pytest
 from icml_jax.config_utils import load_config
 from icml_jax.inference import decode
 from icml_jax.inference.decode import generate, sample_logits, top_k_filter, top_p_filter
-from icml_jax.models.decoder import build_model
+from icml_jax.models.decoder import build_model, unrolled
 
 PROMPT = [1, 40, 51, 62, 73, 84, 95]
 
@@ -82,7 +82,7 @@ def test_scanned_model_decodes_through_its_scanned_loop_when_asked():
     the default unrolled decode gives them (``test_cached_greedy_equals_full_forward``)."""
     cfg, params = _model("rope", True, 5)
     cfg.decode_unrolled = False
-    split, decode_cfg = decode._unroll(cfg)
+    decode_cfg, split = unrolled(cfg)
     assert split == 0 and decode_cfg.scan_layers
     want, want_logits = _reference_greedy(cfg, params, PROMPT, 12)
     out = generate(cfg, params, [PROMPT], key=jax.random.key(0), max_new_tokens=12, temperature=0,
@@ -330,7 +330,7 @@ def test_decode_loop_updates_each_cache_once_and_copies_none(batch, kv_heads, sc
         np.testing.assert_allclose(out.logits[0], want_logits, atol=1e-4, rtol=1e-5)
     P, N = 4, 8
     tokens, positions, segments = decode.pad_prompts([[1, 2, 3]] * batch, P, 0)
-    split, decode_cfg = decode._unroll(cfg)
+    decode_cfg, split = unrolled(cfg)
     assert split == (cfg.num_layers if scan else 0) and not decode_cfg.scan_layers
     model, edit_args = hooks.split_model(build_model(decode_cfg, decode=True))
     jitted = jax.jit(decode._generate.__wrapped__, compiler_options=xla_env.decode_compiler_options(),
