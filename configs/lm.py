@@ -58,7 +58,7 @@ def base_config() -> ml_collections.ConfigDict:
     # morphkv; slots N per (row, KV head) (snapkv: its prompt budget), window W, StreamingLLM
     # sinks, MorphKV fuse (sum | max), SnapKV pooling kernel
     c.model.kv_policy = ml_collections.ConfigDict(
-        dict(name="full", slots=0, window=32, sinks=4, fuse="sum", pool=7))
+        dict(name="full", slots=0, window=32, sinks=4, fuse="sum", pool=5))
     c.model.mlp = ml_collections.ConfigDict()
     # registry icml_jax.models.mlp: swiglu | relu_glu | relu | relu2 | gelu | gelu_tanh
     c.model.mlp.activation = "swiglu"

@@ -29,9 +29,17 @@ Rules (C = ``slots`` = N, W = ``window``):
                  slot contributes 0.
 
 ``prefill_keep`` picks which prompt positions a policy keeps when the prompt is longer than its
-slots, from the prompt's group-summed logits / probabilities (SnapKV: the last ``window``
-observation queries' probabilities, average-pooled over positions with ``pool`` as in the
-reference; MorphKV: its own rule with the last prompt token as the current one).
+slots, from the prompt's group-summed logits / probabilities:
+  SnapKV   the last ``window`` observation queries' probabilities summed, average-pooled (kernel
+           ``pool``, zero padding, divisor ``pool``) over the positions before the window only,
+           as ``snapkv_utils.SnapKVCluster.update_kv`` pools ``attn[..., :-window]``;
+  MorphKV  what the reference's first decode step after an uncompressed prompt keeps (it never
+           compresses at prefill): the W most recent prompt positions, and the top C_old of the
+           positions before them, scored by the last W prompt queries' rows. That is N - 1
+           slots; the first generated token takes the free one, so nothing is evicted then.
+           (The spec's static sketch scores by the W rows before the last prompt token and keeps
+           the last W + 1 positions, then evicts once more at the first step: a different set.)
+  H2O      the prompt queries' accumulated probabilities, the recent window kept.
 """
 from __future__ import annotations
 
@@ -53,7 +61,7 @@ class KVPolicy:
     window: int = 32  # W: recent tokens kept (h2o, morphkv) / observation queries (snapkv)
     sinks: int = 4  # streaming: attention-sink tokens never evicted
     fuse: str = "sum"  # morphkv: "sum" or "max" over the window rows
-    pool: int = 7  # snapkv: average-pooling kernel over positions (odd)
+    pool: int = 5  # snapkv: average-pooling kernel over positions (odd; SnapKV's default)
 
     def __post_init__(self):
         if self.name not in POLICIES:
@@ -161,7 +169,9 @@ def prefill_scores(policy: KVPolicy, slots: int, pos_P, valid_P, logits_PP=None,
         score = jnp.full(pos_P.shape, jnp.inf)
     elif policy.name == "snapkv":
         W = policy.window
-        obs = jnp.where(valid_P[..., None, :], probs_PP[..., P - W:, :], 0.0).sum(-2)  # [..., P]
+        # [..., P]; the window's own columns are zeroed, so the pooling sees the prefix only
+        before = valid_P & (pos_P < n - W)
+        obs = jnp.where(before[..., None, :], probs_PP[..., P - W:, :], 0.0).sum(-2)
         k = policy.pool
         lead = obs.shape[:-1]
         pad = jnp.pad(obs, [(0, 0)] * len(lead) + [(k // 2, k // 2)])
@@ -170,13 +180,14 @@ def prefill_scores(policy: KVPolicy, slots: int, pos_P, valid_P, logits_PP=None,
     elif policy.name == "h2o":
         acc = jnp.where(valid_P[..., :, None] & valid_P[..., None, :], probs_PP, 0.0).sum(-2)
         score = jnp.where(last_w, jnp.inf, acc)
-    else:  # morphkv: the W queries before the last token score the positions older than them
+    else:  # morphkv: the last W prompt queries score the positions before them
         W = policy.window
-        # [..., W, P]; a prompt of P <= W + 1 tokens has fewer rows (and no old column: all kept)
-        rows = logits_PP[..., max(P - 1 - W, 0):P - 1, :]
-        fused = (_fused_old_softmax(policy.fuse, rows, valid_P & ~last_w) if rows.shape[-2]
+        recent = pos_P >= n - W
+        # [..., W, P]; a prompt of P <= W tokens has fewer rows (and no old column: all kept)
+        rows = logits_PP[..., max(P - W, 0):P, :]
+        fused = (_fused_old_softmax(policy.fuse, rows, valid_P & ~recent) if rows.shape[-2]
                  else jnp.zeros(rows.shape[:-2] + rows.shape[-1:], rows.dtype))
-        score = jnp.where(last_w, jnp.inf, fused)
+        score = jnp.where(recent, jnp.inf, fused)
     score = jnp.where(n <= slots, jnp.inf, score)  # everything fits: keep every real token
     return jnp.where(valid_P, score, NEG_INF)
 
@@ -186,6 +197,9 @@ def prefill_select(policy: KVPolicy, slots: int, pos_P, valid_P, logits_PP=None,
     score = prefill_scores(policy, slots, pos_P, valid_P, logits_PP, probs_PP)
     k = min(slots, score.shape[-1])
     top, idx = jax.lax.top_k(score, k)
+    if policy.name == "morphkv" and k == slots:  # a compressed prompt keeps N - 1: one slot stays free
+        compressed = valid_P.sum(-1) > slots
+        top = top.at[..., -1].set(jnp.where(compressed, NEG_INF, top[..., -1]))
     order = jnp.argsort(idx, axis=-1)
     idx, top = jnp.take_along_axis(idx, order, -1), jnp.take_along_axis(top, order, -1)
     return idx, top > NEG_INF
@@ -193,7 +207,8 @@ def prefill_select(policy: KVPolicy, slots: int, pos_P, valid_P, logits_PP=None,
 
 def prefill_keep(policy: KVPolicy, slots: int, logits_PP=None, probs_PP=None) -> jax.Array:
     """Prompt positions [..., slots] (ascending) a policy keeps of an unpadded P-token prompt,
-    P > slots (``prefill_scores`` with every token real)."""
+    P > slots (``prefill_scores`` with every token real); MorphKV keeps slots - 1 (its free slot
+    is the first generated token's)."""
     src = logits_PP if logits_PP is not None else probs_PP
     P = src.shape[-1]
     if slots >= P:
@@ -202,4 +217,8 @@ def prefill_keep(policy: KVPolicy, slots: int, logits_PP=None, probs_PP=None) ->
         raise ValueError("the full policy keeps the whole prompt: size its cache to the prompt + response")
     lead = src.shape[:-2]
     pos = jnp.broadcast_to(jnp.arange(P), lead + (P,))
-    return prefill_select(policy, slots, pos, jnp.ones(lead + (P,), bool), logits_PP, probs_PP)[0]
+    idx, chosen = prefill_select(policy, slots, pos, jnp.ones(lead + (P,), bool), logits_PP, probs_PP)
+    if policy.name != "morphkv":
+        return idx
+    order = jnp.argsort(~chosen, axis=-1, stable=True)[..., :slots - 1]  # the chosen, still ascending
+    return jnp.take_along_axis(idx, order, -1)

@@ -127,31 +127,48 @@ def _row_softmax(z):
     return e / e.sum(-1, keepdims=True)
 
 
+def _morph_first_step_keep(z, N, W, fuse):
+    """What MorphKV's reference keeps of an uncompressed P-token prompt at its first decode step
+    (t = P; it never compresses at prefill): the last W prompt positions, the new token, and the
+    top N - W - 1 positions before them by the last W prompt queries' rows, each a softmax over
+    those older positions, fused by sum or max. Returns the kept prompt positions, ascending."""
+    P = z.shape[0]
+    old = np.arange(P) < P - W
+    a = _row_softmax(np.where(old, z[P - W:], -np.inf))
+    s = a.sum(0) if fuse == "sum" else a.max(0)
+    top = np.argsort(-np.where(old, s, -np.inf), kind="stable")[:N - W - 1]
+    return np.sort(np.concatenate([top, np.arange(P - W, P)]))
+
+
 def test_prefill_keep_matches_numpy_rules():
     P, N, W = 40, 16, 6
     z = _causal_logits(P, 4)
     p = _row_softmax(z)
     idx = np.arange(P)
-    # snapkv: observation window = last W queries, probabilities summed, avg-pooled (zero padded)
-    pol = kp.KVPolicy("snapkv", window=W, pool=5)
-    obs = p[P - W:].sum(0)
-    pooled = np.convolve(np.pad(obs, 2), np.ones(5) / 5, mode="valid")
-    score = np.where(idx >= P - W, np.inf, pooled)
-    want = np.sort(np.argsort(-score, kind="stable")[:N])
-    np.testing.assert_array_equal(kp.prefill_keep(pol, N, probs_PP=jnp.asarray(p, jnp.float32)), want)
-    # morphkv: rows P-1-W .. P-2, softmax over the positions older than the last W + 1
+    # snapkv (snapkv_utils.update_kv): the last W queries' probabilities over the positions before
+    # the window, summed, avg-pooled with zero padding (divisor = kernel); top N - W + the window.
+    # Queries that attend to themselves (a raised diagonal) give the window's columns mass, which
+    # pooling over them too would spill onto the positions before the window: another set here.
+    zs = z.copy()
+    zs[idx, idx] += 4.0
+    ps = _row_softmax(zs)
+    for pool in (5, 7):
+        pol = kp.KVPolicy("snapkv", window=W, pool=pool)
+        pool_avg = lambda obs: np.convolve(np.pad(obs, pool // 2), np.ones(pool) / pool, mode="valid")  # noqa: E731
+        top = np.argsort(-pool_avg(ps[P - W:, :P - W].sum(0)), kind="stable")[:N - W]
+        want = np.sort(np.concatenate([top, np.arange(P - W, P)]))
+        np.testing.assert_array_equal(kp.prefill_keep(pol, N, probs_PP=jnp.asarray(ps, jnp.float32)), want)
+        spilled = np.argsort(-pool_avg(ps[P - W:].sum(0))[:P - W], kind="stable")[:N - W]
+        assert set(spilled) != set(top), pool
+    # morphkv: the reference's first decode step after the uncompressed prompt (N - 1 kept)
     for fuse in ("sum", "max"):
         pol = kp.KVPolicy("morphkv", window=W, fuse=fuse)
-        old = idx < P - 1 - W
-        a = _row_softmax(np.where(old, z[P - 1 - W:P - 1], -np.inf))
-        s = a.sum(0) if fuse == "sum" else a.max(0)
-        score = np.where(old, s, np.inf)
-        want = np.sort(np.argsort(-score, kind="stable")[:N])
+        want = _morph_first_step_keep(z, N, W, fuse)
+        assert len(want) == N - 1
         np.testing.assert_array_equal(kp.prefill_keep(pol, N, logits_PP=jnp.asarray(z, jnp.float32)), want)
-        assert set(range(P - 1 - W, P)) <= set(want.tolist())
-    # a prompt no longer than the window + 1 (1, W and W + 1 tokens) is kept whole, for both fusions
+    # a prompt no longer than the slots is kept whole, for both fusions
     for fuse in ("sum", "max"):
-        for n in (1, W, W + 1):
+        for n in (1, W, W + 1, N):
             idx, chosen = kp.prefill_select(kp.KVPolicy("morphkv", window=W, fuse=fuse), N, jnp.arange(n),
                                             jnp.ones(n, bool), logits_PP=jnp.asarray(z[:n, :n], jnp.float32))
             np.testing.assert_array_equal(idx, np.arange(n))
@@ -159,6 +176,69 @@ def test_prefill_keep_matches_numpy_rules():
     # streaming: sinks and the latest
     got = kp.prefill_keep(kp.KVPolicy("streaming", sinks=4), N, logits_PP=jnp.asarray(z))
     np.testing.assert_array_equal(got, list(range(4)) + list(range(P - (N - 4), P)))
+
+
+def test_morphkv_prompt_then_decode_matches_the_reference_with_gqa():
+    """The cache module itself (``PolicyKVCache``, GQA with 3 query heads per KV head): a 40-token
+    prompt through prefill and then decode steps keeps, after each step, the set the reference
+    keeps when it scores with the query group's raw logits summed before the softmax (spec
+    property 4), starting from its uncompressed prompt. Scoring with the heads' averaged softmaxes
+    instead keeps another set (the check has teeth)."""
+    from icml_jax.models.attention import PolicyKVCache
+    P, steps, N, W, G, R, K = 40, 6, 16, 6, 2, 3, 8
+    rng = np.random.default_rng(5)
+    q = rng.normal(size=(1, P + steps, G, R, K)).astype(np.float32) * 2
+    k = rng.normal(size=(1, P + steps, G, K)).astype(np.float32)
+    v = rng.normal(size=(1, P + steps, G, K)).astype(np.float32)
+    pos = np.arange(P + steps)[None].astype(np.int32)
+    seg = np.ones_like(pos)
+    pol = kp.KVPolicy("morphkv", slots=N, window=W, fuse="sum")
+    mod = PolicyKVCache(pol)
+    no_bias = lambda a, b: None  # noqa: E731
+    sl = lambda x, a, b: jnp.asarray(x[:, a:b])  # noqa: E731
+    cache = mod.init(jax.random.key(0), sl(q, 0, P), sl(k, 0, P), sl(v, 0, P), sl(pos, 0, P),
+                     sl(seg, 0, P), no_bias)["cache"]
+    kept = []
+    for a, b in [(0, P)] + [(t, t + 1) for t in range(P, P + steps)]:
+        _, upd = mod.apply({"cache": cache}, sl(q, a, b), sl(k, a, b), sl(v, a, b), sl(pos, a, b),
+                           sl(seg, a, b), no_bias, mutable=["cache"])
+        cache = upd["cache"]
+        slot_pos = np.asarray(cache["slot_pos"])[0]  # [G, N]
+        kept.append([sorted(int(x) for x in row if x >= 0) for row in slot_pos])
+    for g in range(G):
+        zsum = np.einsum("trk,sk->ts", q[0, :, g], k[0, :, g]) / np.sqrt(K)  # group-summed logits
+        zsum = np.where(np.tril(np.ones(zsum.shape, bool)), zsum, -np.inf)
+        ref = _reference_prompt_decode(pol, N, zsum, P)
+        assert kept[0][g] == ref[0], g  # after prefill: N - 1 prompt slots
+        assert kept[1:] and [kp_[g] for kp_ in kept[1:]] == ref[1:], g
+        # averaged per-head softmaxes as the score: another set on this draw
+        per_head = np.einsum("trk,sk->rts", q[0, :, g], k[0, :, g]) / np.sqrt(K)
+        avg = np.log(np.mean([_row_softmax(np.where(np.tril(np.ones(h.shape, bool)), h, -np.inf))
+                              for h in per_head], axis=0) + 1e-30)
+        assert _reference_prompt_decode(pol, N, avg, P) != ref, g
+
+
+def _reference_prompt_decode(policy, N, L, P):
+    """The reference repo's MorphKV on a logit map L [T, T] with a P-token prompt: no compression
+    at prefill; at each decode step t >= P the cache (kept positions plus t) is cut to N by keeping
+    the last W + 1 and the top N - W - 1 older ones by the fused score of the rows t - W .. t - 1.
+    Returns the kept positions after prefill (the first step's choice, without t) and after each
+    decode step."""
+    W = policy.window
+    S, out = list(range(P)), []
+    for t in range(P, L.shape[0]):
+        cache = S + [t]
+        if len(cache) > N:
+            old = [n for n in cache if n < t - W]
+            a = _row_softmax(np.where(np.isin(np.arange(L.shape[1]), old), L[t - W:t], -np.inf))[:, old]
+            s = a.sum(0) if policy.fuse == "sum" else a.max(0)
+            top = [old[i] for i in np.argsort(-s, kind="stable")[:N - W - 1]]
+            cache = sorted(top + [n for n in cache if n >= t - W])
+        if t == P:
+            out.append([n for n in cache if n < P])
+        S = cache
+        out.append(sorted(S))
+    return out
 
 
 def test_bad_policies_are_clear_errors():
