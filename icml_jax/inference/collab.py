@@ -296,7 +296,14 @@ class FlaxLM:
 
     def __init__(self, model_cfg, params, max_len: int | None = None):
         from icml_jax.inference.decode import init_cache
+        from icml_jax.models.attention import kv_policy_of
         from icml_jax.models.decoder import build_model, split_layers, unrolled
+        pol = kv_policy_of(model_cfg)
+        if pol is not None:  # its slots hold what it chose to keep: moving the pointer back cannot undo that
+            raise ValueError(f"collab.FlaxLM: config.model.kv_policy.name={pol.name!r} evicts and overwrites "
+                             "cache slots, which a rollback by write pointer cannot undo (and a multi-token "
+                             "feed would be taken for a new prompt); set config.model.kv_policy.name='full' "
+                             "for collaborative or speculative decoding")
         decode_cfg, split = unrolled(model_cfg)  # a scanned model runs unrolled (decoder.unrolled)
         params = split_layers(params, split)
         model = build_model(decode_cfg, decode=True)

@@ -29,13 +29,13 @@ def test_greedy_speculative_equals_greedy_collaborative(combiner):
         assert got == ref, (gamma, alternate)
 
 
-def _exact_sequence_probs(combiner, ta, tb, first, n):
+def _exact_sequence_probs(combiner, ta, tb, first, n, temperature=1.0):
     """P(y_1..y_n) under ancestral sampling from r (tables: next logits depend on the last token)."""
     probs = {}
     for seq in itertools.product(range(V), repeat=n):
         p, prev = 1.0, first
         for y in seq:
-            p *= combiner(ta[prev], tb[prev])[y]
+            p *= combiner(ta[prev], tb[prev], temperature=temperature)[y]
             prev = y
         probs[seq] = p
     return probs
@@ -69,6 +69,57 @@ def test_sampled_tokens_follow_r_and_a_wrong_rule_is_caught(combiner, monkeypatc
         assert _chi2_pvalue(run(alternate), exact, runs) > 1e-3, alternate
     monkeypatch.setattr(collab, "_accept", lambda rng, r, q, x, greedy: True)
     assert _chi2_pvalue(run(True), exact, runs) < 1e-6
+
+
+def _np_softmax(z):
+    e = np.exp(z - z.max())
+    return e / e.sum()
+
+
+@pytest.mark.parametrize("T", [0.6, 1.0, 1.7])
+def test_combiners_are_the_reference_formulas(T):
+    """Written out by hand, as the reference's ensemble sampler computes them: the weighted
+    ensemble mixes each model's own tempered softmax (temperature before mixing, probabilities
+    not logits), contrastive decoding tempers the contrast of the raw logits (expert minus alpha
+    times amateur; no log-softmax, no plausibility mask), and n-model ensembles default to uniform."""
+    rng = np.random.default_rng(11)
+    la, lb, lc = (rng.normal(size=12) * 2 for _ in range(3))
+    np.testing.assert_allclose(collab.Combiner("we", weight_a=0.3)(la, lb, temperature=T),
+                               0.3 * _np_softmax(la / T) + 0.7 * _np_softmax(lb / T), rtol=1e-12)
+    np.testing.assert_allclose(collab.Combiner("cd", alpha=0.4)(la, lb, temperature=T),
+                               _np_softmax((lb - 0.4 * la) / T), rtol=1e-12)
+    np.testing.assert_allclose(collab.Combiner("we")(la, lb, lc, temperature=T),
+                               (_np_softmax(la / T) + _np_softmax(lb / T) + _np_softmax(lc / T)) / 3, rtol=1e-12)
+    np.testing.assert_allclose(collab.Combiner("target")(la, lb, temperature=T), _np_softmax(lb / T), rtol=1e-12)
+    if T != 1.0:  # tempering after mixing, or mixing logits, is another distribution
+        mixed_after = _np_softmax(np.log(0.3 * _np_softmax(la) + 0.7 * _np_softmax(lb)) / T)
+        assert np.abs(collab.Combiner("we", weight_a=0.3)(la, lb, temperature=T) - mixed_after).max() > 1e-3
+
+
+def test_acceptance_rate_is_the_overlap_of_draft_and_target():
+    """Spec property: one draft x ~ q is accepted with probability sum_x min(q(x), r(x)) (measured
+    over 20,000 draws, within 4 standard errors), and for the weighted ensemble that is at least
+    the drafter's weight (r >= weight_a * q)."""
+    rng = np.random.default_rng(3)
+    la, lb = rng.normal(size=8) * 2, rng.normal(size=8) * 2
+    for comb in (collab.Combiner("we", weight_a=0.35), collab.Combiner("cd", alpha=0.5)):
+        q, r = _np_softmax(la / 0.8), comb(la, lb, temperature=0.8)
+        want = np.minimum(q, r).sum()
+        draws = rng.choice(8, size=20000, p=q)
+        got = np.mean([collab._accept(rng, r, q, int(x), greedy=False) for x in draws])
+        assert abs(got - want) < 4 * np.sqrt(want * (1 - want) / 20000) + 1e-9, (comb.name, got, want)
+        if comb.name == "we":
+            assert want >= 0.35
+
+
+@pytest.mark.parametrize("combiner", COMBINERS[:2], ids=lambda c: c.name)
+def test_sampled_tokens_follow_r_at_another_temperature(combiner):
+    """T = 0.6: CoS's sampled sequences are still r's (chi-square over 3-token sequences, V = 6)."""
+    ta, tb = _tables(4)
+    exact = _exact_sequence_probs(combiner, ta, tb, 0, 3, temperature=0.6)
+    run = lambda s: collab.speculative_decode([collab.TableLM(ta), collab.TableLM(tb)], [0], 3,  # noqa: E731
+                                              combiner, gamma=2, temperature=0.6, seed=s)
+    assert _chi2_pvalue(run, exact, 3000) > 1e-3
 
 
 def test_edge_cases_and_counts():
@@ -220,3 +271,13 @@ def test_flax_lm_of_a_scanned_model_decodes_unrolled_with_the_same_logits():
     assert not any("layers" in jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(lm.cache))
     want = build_model(cfg).apply({"params": params}, jnp.asarray([[1, 5, 9, 20]]))[0]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_flax_lm_refuses_an_evicting_kv_policy():
+    """A policy cache keeps what it chose, which rollback by pointer cannot undo: a clear error."""
+    import ml_collections
+    cfg, params = _tiny(0)
+    cfg = ml_collections.ConfigDict(cfg.to_dict())
+    cfg.kv_policy = dict(name="h2o", slots=16, window=4)
+    with pytest.raises(ValueError, match="kv_policy.name='h2o'.*rollback"):
+        collab.FlaxLM(cfg, params)
