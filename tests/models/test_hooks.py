@@ -138,6 +138,29 @@ def test_bad_hooks_fail_clearly(tiny):
         hooks.capture(build_model(m), p, TOKENS, points=["layer_3/resid_pre"])
 
 
+def test_edits_reach_the_decoding_of_a_scanned_model(tiny):
+    """A scanned model decodes unrolled (``decoder.unrolled``), so ``generate`` and ``scored_decode``
+    take per-layer edits for it: the same tokens and log-probs as the unscanned model with the
+    same weights and edit; its full forward refuses them."""
+    from icml_jax.models.decoder import split_layers
+    m, _ = tiny
+    ms = _cfg(scan_layers=True)
+    ps = meta.unbox(build_model(ms).init(jax.random.key(1), TOKENS)["params"])
+    pu = split_layers(ps, ms.num_layers)  # the same weights, unscanned
+    push = {"layer_1/resid_post": lambda x: x + 0.5 * ps["io"]["embedding"][7]}
+    kw = dict(key=jax.random.key(0), max_new_tokens=4, temperature=0, edits=push)
+    got, want = generate(ms, ps, [[5, 6, 7, 8]], **kw), generate(m, pu, [[5, 6, 7, 8]], **kw)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=1e-5, atol=1e-5)
+    plain = generate(m, pu, [[5, 6, 7, 8]], **{**kw, "edits": None})
+    assert np.abs(plain.logprobs - want.logprobs).max() > 1e-2  # the edit matters
+    seq = np.asarray(TOKENS[:1])
+    np.testing.assert_allclose(scored_decode(ms, ps, seq, prompt_len=4, edits=push),
+                               scored_decode(m, pu, seq, prompt_len=4, edits=push), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="unscanned"):
+        build_model(ms, edits=push).apply({"params": ps}, TOKENS)
+
+
 def test_scanned_models_capture_stacked_points():
     m = _cfg(scan_layers=True)
     p = meta.unbox(build_model(m).init(jax.random.key(0), TOKENS)["params"])
