@@ -20,7 +20,8 @@ exactly once, with the same context a model trained on the corpus saw (the docum
 edited). The draws depend on the key and on ``batch_size`` (each batch of chunks draws with
 ``fold_in(key, first chunk index)``): keep both to reproduce an edit. Candidates never include
 the tokenizer's special ids or ids outside its vocabulary (the prior's vocabulary is padded to a
-multiple of 128); the reference, whose tokenizer has no such padding, needs no such rule.
+multiple of 128); the reference draws from the raw top-k, specials included, and its decode with
+``skip_special_tokens`` then deletes a drawn special token.
 
 Flags as in the reference (spec §4): ``compare`` "ge" resamples when P >= p (paper), "gt" when P > p
 (the authors' code); ``beta`` 1 is plain top-k sampling (Alg. 1), 1.5 the code's ``up_revise``;

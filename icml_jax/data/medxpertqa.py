@@ -81,8 +81,11 @@ def answer_only_prompt(q: Question) -> str:
 def extract_answer(text: str, n_options: int, trigger: str | None = None,
                    fallback: str = FALLBACK_SPLIT) -> str | None:
     """The official rule (module docstring): the first standalone letter in A..(A + n_options - 1)
-    after the trigger (default: the CoT trigger for ``n_options``), or None."""
+    after the trigger (default: the CoT trigger for ``n_options``), or None. The response is
+    stripped first, as the reference's ``main.py`` strips it before ``answer_cleansing`` (a leading
+    space changes which piece the split keeps: " answer is B, so the answer is C" gives C)."""
     trigger = COT_TRIGGER.format(end=last_letter(n_options)) if trigger is None else trigger
+    text = text.strip()
     for sep in (trigger, fallback):
         parts = text.split(sep)
         if len(parts) > 1:

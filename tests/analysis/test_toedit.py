@@ -1,4 +1,4 @@
-"""ToEdit (icml_jax/data/toedit.py): the resampling rule on logits, the corpus pass, the CLI."""
+"""ToEdit (icml_jax/analysis/toedit.py): the resampling rule on logits, the corpus pass, the CLI."""
 import json
 import os
 import subprocess

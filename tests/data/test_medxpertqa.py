@@ -24,6 +24,10 @@ def test_extract_first_valid_letter_after_trigger():
     assert mx.extract_answer(f"{t5} F or G, so C", 5) == "C"  # F is outside A-E for MM
     assert mx.extract_answer(f"{t5} (C). {t5} B", 5) == "C"  # text between the first two triggers
     assert mx.extract_answer(f"{t} H", 10, trigger=t) == "H"
+    # the response is stripped first, as the reference's main.py does: generated text often
+    # starts with a space, which would otherwise move the fallback split
+    assert mx.extract_answer(" answer is B, so the answer is C", 10) == "C"
+    assert mx.extract_answer("C answer is \n", 10) == "C"
 
 
 def test_extract_no_answer():
