@@ -6,7 +6,7 @@ Pipeline:
 1. ``head_activations``: every layer's per-head attention output (before the output projection)
    at the last valid token of each row, [N, L, H, K], in one jitted forward per chunk of rows.
 2. ``train_val_split`` + ``fit_probes``: one logistic regression per (layer, head), all L*H fitted
-   at once (vmap over probes, optax Adam, a fixed number of full-batch steps, L2);
+   at once (vmap over probes, damped Newton on the full batch, L2: scikit-learn's C=1);
    ``validation_accuracy`` -> [L, H]; ``top_heads(acc, k)`` -> the K best (layer, head) pairs.
 3. Directions θ_h (unit norm, pointing toward the desired class): ``mass_mean_directions``
    (μ(desired) − μ(undesired)) or ``probe_directions`` (the probe's weight vector);
@@ -108,48 +108,68 @@ class Probes(NamedTuple):
     b: np.ndarray  # [L, H]
 
 
-def _probe_loss(params, x_NK, y_N, l2):
-    w, b = params
-    z = x_NK @ w + b
-    return optax.sigmoid_binary_cross_entropy(z, y_N).mean() + 0.5 * l2 * jnp.sum(w * w)
+def _probe_objective(theta, x1_NK1, y_N, reg_K1):
+    """Mean log-loss of sigmoid(x1 · theta) + 0.5 · sum(reg · theta²) (reg = l2, 0 on the bias)."""
+    return optax.sigmoid_binary_cross_entropy(x1_NK1 @ theta, y_N).mean() + 0.5 * jnp.sum(reg_K1 * theta * theta)
 
 
 @functools.partial(jax.jit, static_argnames=("steps",))
-def _fit(x_PNK, y_N, l2, lr, steps):
-    P, _, K = x_PNK.shape
-    opt = optax.adam(lr)
-    params = (jnp.zeros((P, K), jnp.float32), jnp.zeros((P,), jnp.float32))
-    grad = jax.vmap(jax.grad(_probe_loss), in_axes=((0, 0), 0, None, None))  # one probe per head
+def _fit(x_PNK, y_N, l2_PK, steps):
+    """Damped Newton on every probe at once (vmap over P), penalty 0.5 · sum_k l2_PK[p, k] · w_k²:
+    the L2-regularised logistic loss is strictly convex in the weights, so a few Newton steps
+    reach its minimiser to float32 precision; a step that would raise the objective is halved
+    (up to 20 times) first."""
+    P, N, K = x_PNK.shape
+    x1 = jnp.concatenate([x_PNK, jnp.ones((P, N, 1), x_PNK.dtype)], axis=-1)  # bias as a last feature
+    regs = jnp.concatenate([l2_PK.astype(jnp.float32), jnp.zeros((P, 1), jnp.float32)], axis=-1)
 
-    def step(carry, _):
-        params, state = carry
-        g = grad(params, x_PNK, y_N, l2)
-        upd, state = opt.update(g, state, params)
-        return (optax.apply_updates(params, upd), state), None
+    def newton(theta, x1_NK1, reg):
+        f = functools.partial(_probe_objective, x1_NK1=x1_NK1, y_N=y_N, reg_K1=reg)
 
-    (params, _), _ = jax.lax.scan(step, (params, opt.init(params)), None, length=steps)
-    return params
+        def step(theta, _):
+            p = jax.nn.sigmoid(x1_NK1 @ theta)
+            g = x1_NK1.T @ (p - y_N) / N + reg * theta
+            h = (x1_NK1 * (p * (1 - p) / N)[:, None]).T @ x1_NK1 + jnp.diag(reg) + 1e-9 * jnp.eye(K + 1)
+            d = jnp.linalg.solve(h, g)
+            f0 = f(theta)
+
+            def halve(c):
+                t, _ = c
+                return t * 0.5, f(theta - t * 0.5 * d)
+            t, _ = jax.lax.while_loop(lambda c: (c[1] > f0) & (c[0] > 2.0 ** -20), halve, (1.0, f(theta - d)))
+            return theta - t * d, None
+
+        return jax.lax.scan(step, theta, None, length=steps)[0]
+
+    theta = jax.vmap(newton)(jnp.zeros((P, K + 1), jnp.float32), x1, regs)
+    return theta[:, :K], theta[:, K]
 
 
-def fit_probes(acts_NLHK, labels_N, *, l2: float | None = None, steps: int = 500, lr: float = 0.05,
-               standardize: bool = True) -> Probes:
+def fit_probes(acts_NLHK, labels_N, *, l2: float | None = None, steps: int = 30,
+               standardize: bool = False) -> Probes:
     """One logistic regression per (layer, head), all fitted at once on the full batch.
 
-    labels: 0/1 (1 = the class the probe's positive side points to). ``l2``: the coefficient of
-    0.5·‖w‖² added to the mean log-loss; None = 1 / N, the per-sample form of scikit-learn's
-    default ``C=1`` (honest_llama: ``LogisticRegression(max_iter=1000)``). ``standardize``:
-    optimise on features scaled by the training mean/std (the penalty then acts on the scaled
-    weights), mapped back so the returned (w, b) act on raw activations."""
+    labels: 0/1 (1 = the class the probe's positive side points to). The objective is the mean
+    log-loss plus 0.5·``l2``·‖w‖² (bias unpenalised); ``l2`` None = 1 / N, which is
+    scikit-learn's default ``C=1`` written per sample, so on raw activations (the default) the
+    probes are honest_llama's ``LogisticRegression(max_iter=1000)``, solved to convergence by
+    ``steps`` damped Newton steps (``_fit``). ``standardize``: fit on features scaled by the
+    training mean/std (the penalty then acts on the scaled weights: accuracies no longer depend on
+    the activations' scale, unlike the reference's), mapped back so the returned (w, b) act on raw
+    activations."""
     x = np.asarray(acts_NLHK, np.float32)
     y = np.asarray(labels_N, np.float32)
     N, L, H, K = x.shape
     if set(np.unique(y)) - {0.0, 1.0}:
         raise ValueError("fit_probes: labels must be 0/1")
     x_PNK = jnp.asarray(x.reshape(N, L * H, K).transpose(1, 0, 2))
-    mu = x_PNK.mean(1, keepdims=True) if standardize else jnp.zeros((L * H, 1, K))
-    sd = x_PNK.std(1, keepdims=True) + 1e-6 if standardize else jnp.ones((L * H, 1, K))
-    w, b = _fit((x_PNK - mu) / sd, jnp.asarray(y), jnp.float32(1.0 / N if l2 is None else l2),
-                jnp.float32(lr), int(steps))
+    # always solved on centred, scaled features (conditioning); without ``standardize`` the penalty
+    # is rescaled per feature (l2 / sd²) so the objective is exactly the raw-activation one
+    mu = x_PNK.mean(1, keepdims=True)
+    sd = x_PNK.std(1, keepdims=True) + 1e-6
+    l2 = jnp.float32(1.0 / N if l2 is None else l2)
+    l2_PK = jnp.broadcast_to(l2, (L * H, K)) if standardize else l2 / jnp.square(sd[:, 0])
+    w, b = _fit((x_PNK - mu) / sd, jnp.asarray(y), l2_PK, int(steps))
     w_raw = w / sd[:, 0]
     b_raw = b - jnp.sum(w_raw * mu[:, 0], axis=-1)
     return Probes(np.asarray(w_raw).reshape(L, H, K), np.asarray(b_raw).reshape(L, H))

@@ -108,6 +108,37 @@ def test_top_heads_returns_the_k_best_ties_lower_index_first():
         iti.top_heads(acc, 33)
 
 
+@pytest.mark.parametrize("scale", [1.0, 0.02])
+def test_probes_are_scikit_learns_logistic_regression(scale):
+    """The default probes solve honest_llama's probe, ``LogisticRegression(max_iter=1000)`` (C=1,
+    unpenalised intercept, raw activations), to float32 precision: the same weights, accuracies
+    and top heads, on correlated features of uneven scale, at scale 1 and at a small raw scale
+    where the penalty dominates. Standardised features (the option) are another probe there."""
+    from sklearn.linear_model import LogisticRegression
+    rng = np.random.default_rng(1)
+    N, L, H, K = 160, 2, 3, 12
+    mix = rng.normal(size=(L, H, K, K)) * rng.uniform(0.2, 3.0, size=(L, H, 1, K))
+    acts = (np.einsum("nlhk,lhkj->nlhj", rng.normal(size=(N, L, H, K)), mix) * scale).astype(np.float32)
+    labels = (acts[:, 1, 1, 0] / scale + 2.0 * rng.normal(size=N) > 0).astype(int)
+    train, val = np.arange(120), np.arange(120, N)
+    probes = iti.fit_probes(acts[train], labels[train])
+    acc = np.zeros((L, H))
+    for layer in range(L):
+        for head in range(H):
+            x = acts[train, layer, head].astype(np.float64)
+            sk = LogisticRegression(max_iter=1000, tol=1e-10).fit(x, labels[train])
+            w = sk.coef_[0]
+            np.testing.assert_allclose(probes.w[layer, head], w, rtol=0, atol=1e-4 * np.abs(w).max())
+            assert abs(probes.b[layer, head] - sk.intercept_[0]) < 1e-4 * max(1.0, abs(sk.intercept_[0]))
+            acc[layer, head] = sk.score(acts[val, layer, head], labels[val])
+    ours = iti.validation_accuracy(probes, acts[val], labels[val])
+    np.testing.assert_array_equal(ours, acc)
+    assert iti.top_heads(ours, 3) == iti.top_heads(acc, 3)
+    if scale != 1.0:  # the penalty on standardised weights is not the reference's
+        std = iti.fit_probes(acts[train], labels[train], standardize=True)
+        assert np.abs(std.w - probes.w).max() > 0.1 * np.abs(probes.w).max()
+
+
 def test_probes_find_a_planted_direction_in_one_head_and_chance_elsewhere():
     rng = np.random.default_rng(0)
     N, L, H, K = 500, 2, 4, 8
