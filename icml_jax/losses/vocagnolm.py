@@ -11,6 +11,8 @@ tokens, P the window.
 """
 from __future__ import annotations
 
+import fractions
+
 import jax
 import jax.numpy as jnp
 
@@ -33,9 +35,17 @@ def aggregate_teacher(teacher_loss_BM, index_BTP, window_BTP, agg: str = "max"):
     return jnp.where(n > 0, out, 0.0)
 
 
+def _ceil_ratio(n, k_ratio: float):
+    """ceil(k_ratio * n) in integer arithmetic, k_ratio read as the nearest fraction p / q with
+    q <= 10000 (0.3 is 3/10): in float32, 0.3 * 50 rounds above 15 and its ceiling is 16."""
+    frac = fractions.Fraction(k_ratio).limit_denominator(10_000)
+    p, q = frac.numerator, frac.denominator
+    return (n // q) * p + ((n % q) * p + q - 1) // q
+
+
 def _top_count(score, cand, k_ratio):
     """Selects exactly ceil(k_ratio * cand.sum()) candidates of the highest score (flat arrays)."""
-    k = jnp.ceil(k_ratio * cand.sum()).astype(jnp.int32)
+    k = _ceil_ratio(cand.sum().astype(jnp.int32), k_ratio)
     order = jnp.argsort(jnp.where(cand, -score, jnp.inf), stable=True)
     rank = jnp.empty_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     return (rank < k) & cand

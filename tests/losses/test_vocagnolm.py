@@ -1,5 +1,6 @@
 """VocAgnoLM: lexical alignment (icml_jax/data/alignment.py) and the guided selection loss
 (icml_jax/losses/vocagnolm.py), on hand-made cases and against brute force."""
+import fractions
 import math
 
 import jax.numpy as jnp
@@ -80,6 +81,19 @@ def test_selection_counts_unmapped_padding_and_aggregations():
     ws, _ = vocagnolm.selection_weights(sl, tl, idx, win, mapped, valid, scope="sequence")
     for b in range(2):
         assert np.asarray(ws)[b][cand[b]].sum() == math.ceil(0.4 * cand[b].sum())
+
+
+@pytest.mark.parametrize("k_ratio", [0.3, 0.6, 0.45])
+def test_selection_count_is_exact_at_ratios_float32_rounds_up(k_ratio):
+    """ceil(k n) with k a decimal ratio: in float32, 0.3 * 50 and 0.6 * 25 round above 15 and
+    their ceilings are 16; the count is the exact one for every n up to 400."""
+    for n in range(1, 401):
+        want = math.ceil(fractions.Fraction(str(k_ratio)) * n)
+        got = int(vocagnolm._ceil_ratio(jnp.int32(n), k_ratio))
+        assert got == want, (k_ratio, n, got, want)
+    score = jnp.asarray(np.random.default_rng(0).normal(size=50), jnp.float32)
+    sel = vocagnolm._top_count(score, jnp.ones(50, bool), 0.3)
+    assert int(sel.sum()) == 15
 
 
 def test_identical_tokenizers_are_rho1_and_full_ratio_is_mean_ce():
