@@ -132,7 +132,8 @@ class Harness:
                                   batch["reward"], batch["terminated"], batch["mask"], gamma=cfg.gamma,
                                   lambda_sd=cfg.lambda_sd, lambda_m=cfg.lambda_m,
                                   reference_broadcast=cfg.reference_broadcast)
-        # stage-2 Q: the reference recomputes it from the observation tokens, i.e. equal to stage 1
+        # stage-2 Q: the reference recomputes it from the observation tokens (with no padding mask,
+        # so it differs on padded inputs: docs/methods/econ.md quirk 6); ours is stage 1's
         l_bel, m_bel = L.belief_loss(b1, b2, s1["q"], s1["q"], y, batch["mask"], stage2_weight=cfg.stage2_weight)
         g1_live, g2_live = enc_live(sg(b1)), enc_live(sg(b2))
         l_enc, m_enc = L.encoder_loss(g1_live, g2_live, enc_live(sg(b1)), g2_live)

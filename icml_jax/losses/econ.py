@@ -127,7 +127,7 @@ def encoder_loss(g1_re, g2_re, g1, g2):
     """The belief encoder's loss (``_calculate_encoder_loss``): MSE(E(b1), g1) + MSE(E(b2), g2)
     + 0.1 · MSE(g2, g1) + 0.01 · mean |Ĝ2 Ĝ2ᵀ - I| with Ĝ2 the row-normalised stage-2 groups.
     ``g*_re`` are the encoder recomputed on the same beliefs: with a deterministic encoder the
-    first two terms are 0 (the reference's dropout is what makes them non-zero there)."""
+    first two terms are 0, as in the reference (its belief encoder has no dropout)."""
     u = g2 / jnp.maximum(jnp.linalg.norm(g2, axis=-1, keepdims=True), 1e-12)
     div = jnp.mean(jnp.abs(u @ u.T - jnp.eye(g2.shape[0])))
     total = (jnp.mean((g1_re - g1) ** 2) + jnp.mean((g2_re - g2) ** 2) + 0.1 * jnp.mean((g2 - g1) ** 2)
