@@ -24,6 +24,11 @@ class InfeasibleError(ValueError):
     """No choice of variants meets the constraints (or none was found within the time limit)."""
 
 
+class ToleranceError(InfeasibleError):
+    """The solver's choice breaks a constraint beyond ``rel_tol`` (HiGHS's feasibility tolerance is
+    looser than our check; the reference asserts here)."""
+
+
 def nested(stats: Mapping, key: str):
     """``stats["a"]["b"]`` for ``key`` "a.b"."""
     value = stats
@@ -33,6 +38,10 @@ def nested(stats: Mapping, key: str):
 
 
 def _bounds(spec) -> tuple[float, float]:
+    """(lo, hi) of a constraint: a number is an upper bound, a (lo, hi) pair both (None = open),
+    None no bound at all (as the reference's ``mip_nas`` reads None)."""
+    if spec is None:
+        return -np.inf, np.inf
     if isinstance(spec, (tuple, list)):
         lo, hi = spec
         return (-np.inf if lo is None else float(lo)), (np.inf if hi is None else float(hi))
@@ -97,7 +106,7 @@ def solve(library: Mapping, objective: str, constraints: Mapping, *, bigger_is_b
         raise InfeasibleError(f"the solver returned no complete choice ({res.message})")
     value, costs = totals(library, chosen, objective, constraints)
     if not feasible(costs, constraints):  # a built-in check: HiGHS's tolerances, not ours
-        raise InfeasibleError(f"the solver's choice violates the constraints: {costs}")
+        raise ToleranceError(f"the solver's choice violates the constraints: {costs}")
     return chosen, value, costs
 
 
@@ -105,13 +114,18 @@ def solve_many(library: Mapping, objective: str, constraints: Mapping, *, num_so
                bigger_is_better: bool = False, min_diversity: int = 1,
                time_limit: float | None = 60.0) -> list[dict]:
     """Up to ``num_solutions`` solutions, each differing from every earlier one in
-    >= ``min_diversity`` layers (fewer when the problem runs out of feasible choices)."""
+    >= ``min_diversity`` layers (fewer when the problem runs out of feasible choices; a warning
+    says when the search stopped because the solver's answer broke a constraint instead)."""
+    import warnings
     found = []
     for _ in range(num_solutions):
         try:
             chosen, value, costs = solve(library, objective, constraints, bigger_is_better=bigger_is_better,
                                          previous=[f["chosen"] for f in found], min_diversity=min_diversity,
                                          time_limit=time_limit)
+        except ToleranceError as e:
+            warnings.warn(f"puzzle solve_many stopped after {len(found)} solution(s): {e}", stacklevel=2)
+            break
         except InfeasibleError:
             break
         found.append({"chosen": chosen, "value": value, "costs": costs})

@@ -63,3 +63,33 @@ def test_diversity_and_running_out():
     assert 1 <= len(sols) < 10  # at most 4 choices pairwise 2 apart among 8
     values = [s["value"] for s in sols]
     assert values == sorted(values)  # each later solution is the best of what is left
+
+
+def test_each_later_solution_is_the_best_under_the_exclusion_rule_and_open_budgets():
+    """solve_many's k-th solution is the brute-force optimum among choices at least d layers away
+    from every earlier one (the reference's multi_solution_mip_nas); a None budget is no bound,
+    an infinite one too (as the reference reads them)."""
+    rng = np.random.default_rng(11)
+    lib = _library(rng, layers=3, variants=3)
+    cons = {"stats.params": (10, None), "stats.kv": float("inf")}
+    sols = pm.solve_many(lib, "metrics.kl", cons, num_solutions=4, min_diversity=2)
+    assert len(sols) == 4
+    combos = [dict(zip(lib, c)) for c in itertools.product(*[list(lib[l]) for l in lib])]
+    for k, sol in enumerate(sols):
+        allowed = [c for c in combos if pm.feasible(pm.totals(lib, c, "metrics.kl", cons)[1], cons)
+                   and all(sum(c[l] != s["chosen"][l] for l in lib) >= 2 for s in sols[:k])]
+        best = min(pm.totals(lib, c, "metrics.kl", cons)[0] for c in allowed)
+        assert sol["value"] == pytest.approx(best, abs=1e-9), k
+    unbounded = pm.solve(lib, "metrics.kl", {"stats.params": None})
+    assert unbounded[1] == pytest.approx(_brute(lib, "metrics.kl", {})[1], abs=1e-9)
+
+
+def test_a_solver_answer_that_breaks_a_bound_stops_with_a_warning(monkeypatch):
+    rng = np.random.default_rng(3)
+    lib = _library(rng, layers=3, variants=2)
+
+    def broken(*a, **k):
+        raise pm.ToleranceError("the solver's choice violates the constraints: {...}")
+    monkeypatch.setattr(pm, "solve", broken)
+    with pytest.warns(UserWarning, match="stopped after 0 solution"):
+        assert pm.solve_many(lib, "metrics.kl", {"stats.params": 100}, num_solutions=3) == []
