@@ -11,7 +11,9 @@ The experiment: python -m experiments.evic --workdir=runs/evic [--preset=tiny|de
 ``config.evic`` (spec names in brackets):
   enabled        False
   every          200     steps between refreshes [evic_recompute_every]
-  start          0       step of the first refresh (steps before it train on every sample)
+  start          -1      step of the first refresh (steps before it train on every sample);
+                         -1 = ``every``: a warm-up interval first (the spec's warm-up; a refresh
+                         at step 0 would score with zero Adam moments, where Gamma is sign(g))
   precond        adam    Gamma = the optimizer's Adam step | sgd (identity: Int symmetric)
   proj           countsketch | rademacher (dense +-1/sqrt(k)) | none (exact) [evic_proj_dim]
   proj_dim       4096    k, the sketch's size
@@ -29,7 +31,7 @@ from icml_jax.config_utils import sibling_config
 
 lm = sibling_config(__file__)
 
-EVIC = dict(enabled=False, every=200, start=0, precond="adam", proj="countsketch", proj_dim=4096,
+EVIC = dict(enabled=False, every=200, start=-1, precond="adam", proj="countsketch", proj_dim=4096,
             chunk=16, select="positive", top_fraction=0.5, seed=0, save_matrix_max=2048,
             noise_check=False)
 

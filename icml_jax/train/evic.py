@@ -197,9 +197,11 @@ def settings(config) -> dict | None:
     for key in ("every", "chunk", "proj_dim"):
         if out[key] < 1:
             raise ValueError(f"config.evic.{key} must be >= 1, got {out[key]}")
+    if out["start"] == -1:  # the default: one interval of training on the whole pool first
+        out["start"] = out["every"]
     if out["start"] < 0:
-        raise ValueError(f"config.evic.start must be >= 0 (the step of the first refresh), got "
-                         f"{out['start']}")
+        raise ValueError(f"config.evic.start must be >= 0 (the step of the first refresh) or -1 "
+                         f"(= config.evic.every), got {out['start']}")
     for key, allowed in (("precond", PRECONDS), ("proj", PROJS), ("select", SELECTS)):
         if out[key] not in allowed:
             raise ValueError(f"config.evic.{key} must be one of {allowed}, got {out[key]!r}")

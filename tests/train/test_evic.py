@@ -227,3 +227,15 @@ def test_bad_settings_fail_before_compute(tmp_path, sft_data):
     with pytest.raises(ValueError, match="needs a task with per-example losses"):
         trainer.train(c, str(tmp_path / "c"))
     assert not os.path.exists(str(tmp_path / "c" / "checkpoints"))
+
+
+def test_first_refresh_defaults_to_one_interval_of_warm_up(sft_data, tmp_path):
+    """``config.evic.start`` -1 (the default) is ``every``: the first selection comes after a
+    warm-up interval, not at step 0 where the Adam moments are zero; below -1 is an error."""
+    c = load_config("configs/sft.py:tiny", unlocked=True)
+    c.evic.update(enabled=True, every=7)
+    assert evic.settings(c)["start"] == 7
+    c.evic.start = 3
+    assert evic.settings(c)["start"] == 3
+    with pytest.raises(ValueError, match="config.evic.start must be >= 0"):
+        trainer.train(_config(sft_data, start=-2), str(tmp_path / "a"))
