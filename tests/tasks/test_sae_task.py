@@ -76,6 +76,28 @@ def test_a_signed_identity_basis_with_k_equal_d_reconstructs_exactly():
         assert ((np.asarray(z) != 0).sum(-1) <= D).all()
 
 
+@pytest.mark.parametrize("pre_bias", [False, True])
+def test_forward_is_the_topk_sae_formula_with_and_without_pre_bias(pre_bias):
+    """With random weights and a non-zero b_dec: z = relu(topk((x - b_dec·pre_bias) W_enc + b_enc))
+    and x̂ = z Ŵ_dec + b_dec (Ŵ_dec row-normalised), as OpenAI's / SAELens' TopK SAE computes it."""
+    rng = np.random.default_rng(0)
+    D, M, k = 6, 16, 3
+    params = {"W_enc": jnp.asarray(rng.normal(size=(D, M)), jnp.float32),
+              "W_dec": jnp.asarray(rng.normal(size=(M, D)), jnp.float32),
+              "b_enc": jnp.asarray(rng.normal(size=M) * 0.1, jnp.float32),
+              "b_dec": jnp.asarray(rng.normal(size=D), jnp.float32)}
+    x = rng.normal(size=(5, D)).astype(np.float32)
+    x_hat, z = SAE(d_model=D, latents=M, k=k, pre_bias=pre_bias).apply({"params": params}, jnp.asarray(x))
+    p = {n: np.asarray(v, np.float64) for n, v in params.items()}
+    pre = ((x - p["b_dec"]) if pre_bias else x) @ p["W_enc"] + p["b_enc"]
+    keep = np.argsort(-pre, axis=-1)[:, :k]
+    want_z = np.zeros_like(pre)
+    np.put_along_axis(want_z, keep, np.maximum(np.take_along_axis(pre, keep, -1), 0), -1)
+    dec = p["W_dec"] / np.linalg.norm(p["W_dec"], axis=-1, keepdims=True)
+    np.testing.assert_allclose(z, want_z, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(x_hat, want_z @ dec + p["b_dec"], rtol=1e-5, atol=1e-5)
+
+
 def test_jumprelu_threshold_gets_the_rectangle_kernel_gradient():
     D, theta, eps = 4, 0.5, 0.1
     sae = SAE(d_model=D, latents=D, activation="jumprelu", bandwidth=eps, init_threshold=theta)
