@@ -4,8 +4,10 @@ round, against local-only and centralised ICL.
   python -m experiments.fed_icl --workdir=DIR [--preset=tiny|default|products]
 
 Per seed: an ``ICLRegressor`` (our decoder blocks, 2 layers, NoPE, real-valued read-in / read-out;
-``experiments/fed_icl/model.py``) is trained on prompts of up to ``slots`` demonstrations from
-random regions of x-space with a previous answer (absent or noisy) in the query slot. Then
+``experiments/fed_icl/model.py``) is trained on prompts of up to ``slots`` demonstrations with a
+previous answer (absent or noisy) in the query slot: by default (``train_prompts="federated"``)
+prompts built as the protocol builds them (``federated_training_batch``), or with
+``train_prompts="regions"`` from random regions of x-space (``training_batch``). Then
 ``eval_tasks`` fresh tasks (w ~ N(0, I/d), x_q ~ N(0, I)), each split over K clients whose n
 private demonstrations lie in the client's own region (centre ``offset``·u_k, spread ``spread``:
 non-IID), are answered by

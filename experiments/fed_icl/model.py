@@ -1,6 +1,7 @@
 """Fed-ICL's ICL model: an ``ICLRegressor`` (our decoder blocks, real-valued read-in / read-out)
-trained on ``data.icl_regression.training_batch`` prompts: random demonstration counts, random
-regions of x-space and, in the query slot, a previous answer (absent or noisy) to refine."""
+trained on ``data.icl_regression`` prompts (``federated_training_batch`` by default, as the
+protocol builds them; ``training_batch``: random regions of x-space), each with random
+demonstration counts and, in the query slot, a previous answer (absent or noisy) to refine."""
 import numpy as np
 
 

@@ -112,7 +112,8 @@ def run_fed_icl(f: Callable, X_BKND, Y_BKN, xq_BD, *, m: int, rounds: int = 5, s
                 agg: str = "mean", include_prev_answer: bool = True, slots: int | None = None,
                 tol: float = 0.0, rng: np.random.Generator | None = None, init_B=None) -> FedICLResult:
     """The Fed-ICL round protocol over K clients (axis 1 of X [B, K, n, d], Y [B, K, n]); ``init``
-    is ŷ⁽⁰⁾ (None: empty). Selection depends only on x_q, so each client filters once."""
+    is ŷ⁽⁰⁾ (None: empty). Each client filters once, before the first round: ``knn`` depends only
+    on x_q; ``random`` is drawn once from ``rng`` and kept for every round."""
     _check("fedicl_agg", agg, AGGREGATES)
     if rounds < 1:
         raise ValueError(f"fed_icl: fedicl_rounds={rounds} must be >= 1")
