@@ -17,7 +17,7 @@ def test_tlr_pruning_tiny_outputs(tmp_path, monkeypatch):
     for name in ("results.csv", "results.md", "ppl.png", "config.json"):
         assert os.path.getsize(os.path.join(wd, name)) > 0, name
     rows = list(csv.DictReader(open(os.path.join(wd, "results.csv"))))
-    per_setting = 1 + 3 * len(exp.ranks)
+    per_setting = 1 + (3 + bool(exp.long_iters)) * len(exp.ranks)  # + TLR at the scripts' T
     n_runs = sum(len(exp.calib_seeds) if m == "wanda" else 1 for m in exp.methods) * len(exp.settings)
     assert len(rows) == 1 + per_setting * n_runs
     dense = float(rows[0]["kept_params"])
