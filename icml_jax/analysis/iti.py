@@ -108,36 +108,33 @@ class Probes(NamedTuple):
     b: np.ndarray  # [L, H]
 
 
-def _probe_objective(theta, x1_NK1, y_N, reg_K1):
-    """Mean log-loss of sigmoid(x1 · theta) + 0.5 · sum(reg · theta²) (reg = l2, 0 on the bias)."""
-    return optax.sigmoid_binary_cross_entropy(x1_NK1 @ theta, y_N).mean() + 0.5 * jnp.sum(reg_K1 * theta * theta)
-
-
 @functools.partial(jax.jit, static_argnames=("steps",))
 def _fit(x_PNK, y_N, l2_PK, steps):
     """Damped Newton on every probe at once (vmap over P), penalty 0.5 · sum_k l2_PK[p, k] · w_k²:
     the L2-regularised logistic loss is strictly convex in the weights, so a few Newton steps
-    reach its minimiser to float32 precision; a step that would raise the objective is halved
-    (up to 20 times) first."""
+    reach its minimiser to float32 precision. A step that does not lower the objective is halved
+    (up to 20 times); one that still does not (or gives NaN) is not taken. Dots at full float32
+    precision (a GPU would otherwise run them in TF32)."""
     P, N, K = x_PNK.shape
     x1 = jnp.concatenate([x_PNK, jnp.ones((P, N, 1), x_PNK.dtype)], axis=-1)  # bias as a last feature
     regs = jnp.concatenate([l2_PK.astype(jnp.float32), jnp.zeros((P, 1), jnp.float32)], axis=-1)
+    dot = functools.partial(jnp.matmul, precision=jax.lax.Precision.HIGHEST)
 
     def newton(theta, x1_NK1, reg):
-        f = functools.partial(_probe_objective, x1_NK1=x1_NK1, y_N=y_N, reg_K1=reg)
+        def f(t):
+            z = dot(x1_NK1, t)
+            return optax.sigmoid_binary_cross_entropy(z, y_N).mean() + 0.5 * jnp.sum(reg * t * t)
 
         def step(theta, _):
-            p = jax.nn.sigmoid(x1_NK1 @ theta)
-            g = x1_NK1.T @ (p - y_N) / N + reg * theta
-            h = (x1_NK1 * (p * (1 - p) / N)[:, None]).T @ x1_NK1 + jnp.diag(reg) + 1e-9 * jnp.eye(K + 1)
+            p = jax.nn.sigmoid(dot(x1_NK1, theta))
+            g = dot(x1_NK1.T, p - y_N) / N + reg * theta
+            h = dot((x1_NK1 * (p * (1 - p) / N)[:, None]).T, x1_NK1) + jnp.diag(reg) + 1e-9 * jnp.eye(K + 1)
             d = jnp.linalg.solve(h, g)
             f0 = f(theta)
-
-            def halve(c):
-                t, _ = c
-                return t * 0.5, f(theta - t * 0.5 * d)
-            t, _ = jax.lax.while_loop(lambda c: (c[1] > f0) & (c[0] > 2.0 ** -20), halve, (1.0, f(theta - d)))
-            return theta - t * d, None
+            worse = lambda c: ~(c[1] <= f0) & (c[0] > 2.0 ** -20)  # noqa: E731  (NaN counts as worse)
+            t, f_new = jax.lax.while_loop(worse, lambda c: (c[0] * 0.5, f(theta - c[0] * 0.5 * d)),
+                                          (1.0, f(theta - d)))
+            return jnp.where(f_new <= f0, theta - t * d, theta), None
 
         return jax.lax.scan(step, theta, None, length=steps)[0]
 

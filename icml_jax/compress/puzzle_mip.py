@@ -106,7 +106,10 @@ def solve(library: Mapping, objective: str, constraints: Mapping, *, bigger_is_b
         raise InfeasibleError(f"the solver returned no complete choice ({res.message})")
     value, costs = totals(library, chosen, objective, constraints)
     if not feasible(costs, constraints):  # a built-in check: HiGHS's tolerances, not ours
-        raise ToleranceError(f"the solver's choice violates the constraints: {costs}")
+        broken = [f"{c}: total {costs[c]!r} outside {_bounds(spec)}" for c, spec in constraints.items()
+                  if not feasible({c: costs[c]}, {c: spec})]
+        raise ToleranceError(f"the solver's choice breaks a budget beyond its tolerance ({'; '.join(broken)}); "
+                             "loosen that budget slightly (a relative 1e-6 is enough)")
     return chosen, value, costs
 
 

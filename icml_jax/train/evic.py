@@ -202,6 +202,11 @@ def settings(config) -> dict | None:
     if out["start"] < 0:
         raise ValueError(f"config.evic.start must be >= 0 (the step of the first refresh) or -1 "
                          f"(= config.evic.every), got {out['start']}")
+    steps = config.get("train", {}).get("steps")
+    if steps is not None and out["start"] >= int(steps):
+        raise ValueError(f"config.evic.start={out['start']} (the first refresh; -1 means config.evic.every="
+                         f"{out['every']}) is not before config.train.steps={int(steps)}: no refresh would run "
+                         "and the run would be plain SFT; lower config.evic.every or set config.evic.start")
     for key, allowed in (("precond", PRECONDS), ("proj", PROJS), ("select", SELECTS)):
         if out[key] not in allowed:
             raise ValueError(f"config.evic.{key} must be one of {allowed}, got {out[key]!r}")

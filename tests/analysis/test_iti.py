@@ -139,6 +139,25 @@ def test_probes_are_scikit_learns_logistic_regression(scale):
         assert np.abs(std.w - probes.w).max() > 0.1 * np.abs(probes.w).max()
 
 
+def test_probes_on_separable_and_constant_features_stay_finite_and_match_scikit_learn():
+    """Perfectly separable classes at a large scale and a constant feature: the penalty keeps the
+    optimum finite, the damped steps reach it (no NaN, no divergence), and the constant feature's
+    weight stays 0, as scikit-learn's does."""
+    from sklearn.linear_model import LogisticRegression
+    rng = np.random.default_rng(4)
+    N, K = 80, 5
+    labels = np.arange(N) % 2
+    x = rng.normal(size=(N, K)) * 100.0
+    x[:, 0] = np.where(labels == 1, 300.0, -300.0) + rng.normal(size=N)  # separable by a wide gap
+    x[:, 4] = 7.0  # constant
+    probes = iti.fit_probes(x[:, None, None].astype(np.float32), labels)
+    w, b = probes.w[0, 0], probes.b[0, 0]
+    assert np.isfinite(w).all() and np.isfinite(b)
+    sk = LogisticRegression(max_iter=5000, tol=1e-12).fit(x, labels)
+    np.testing.assert_allclose(w, sk.coef_[0], rtol=0, atol=1e-3 * np.abs(sk.coef_[0]).max())
+    assert abs(w[4]) < 1e-6
+
+
 def test_probes_find_a_planted_direction_in_one_head_and_chance_elsewhere():
     rng = np.random.default_rng(0)
     N, L, H, K = 500, 2, 4, 8

@@ -84,12 +84,13 @@ def test_each_later_solution_is_the_best_under_the_exclusion_rule_and_open_budge
     assert unbounded[1] == pytest.approx(_brute(lib, "metrics.kl", {})[1], abs=1e-9)
 
 
-def test_a_solver_answer_that_breaks_a_bound_stops_with_a_warning(monkeypatch):
-    rng = np.random.default_rng(3)
-    lib = _library(rng, layers=3, variants=2)
-
-    def broken(*a, **k):
-        raise pm.ToleranceError("the solver's choice violates the constraints: {...}")
-    monkeypatch.setattr(pm, "solve", broken)
+def test_a_solver_answer_that_breaks_a_bound_is_named_and_stops_solve_many_with_a_warning(monkeypatch):
+    """HiGHS accepts a choice within its own feasibility tolerance; our check is tighter. A bound
+    the cheapest choice misses by a hair (relative 1e-8, inside HiGHS's 1e-7 but outside our 1e-9)
+    makes ``solve`` raise ToleranceError naming the budget, and ``solve_many`` warn and stop."""
+    lib = {f"l{i}": {"a": {"m": {"kl": 1.0}, "s": {"p": 1.0 + 1e-8}}, "b": {"m": {"kl": 0.0}, "s": {"p": 5.0}}}
+           for i in range(3)}
+    with pytest.raises(pm.ToleranceError, match="s.p: total .* loosen that budget"):
+        pm.solve(lib, "m.kl", {"s.p": 3.0})
     with pytest.warns(UserWarning, match="stopped after 0 solution"):
-        assert pm.solve_many(lib, "metrics.kl", {"stats.params": 100}, num_solutions=3) == []
+        assert pm.solve_many(lib, "m.kl", {"s.p": 3.0}, num_solutions=2) == []

@@ -218,6 +218,48 @@ def test_morphkv_prompt_then_decode_matches_the_reference_with_gqa():
         assert _reference_prompt_decode(pol, N, avg, P) != ref, g
 
 
+@pytest.mark.parametrize("name", ["morphkv", "h2o", "streaming"])
+def test_a_left_padded_batch_of_mixed_prompt_lengths_equals_each_row_alone(name):
+    """Rows of 24, 10, 7 and 15 real tokens (left-padded to 24) with 10 slots: some compressed at
+    prefill, some not. Each row keeps the slots, and attends to the values, it would alone, through
+    the prefill and 4 decode steps; a compressed MorphKV row leaves one slot free for the first
+    generated token, an uncompressed one has its N - n free slots."""
+    from icml_jax.models.attention import PolicyKVCache
+    P, N, W, G, R, K, steps, lens = 24, 10, 3, 2, 2, 4, 4, [24, 10, 7, 15]
+    B, T = len(lens), P + steps
+    rng = np.random.default_rng(0)
+    q = rng.normal(size=(B, T, G, R, K)).astype(np.float32) * 2
+    k = rng.normal(size=(B, T, G, K)).astype(np.float32)
+    v = rng.normal(size=(B, T, G, K)).astype(np.float32)
+    pos, seg = np.zeros((B, T), np.int32), np.zeros((B, T), np.int32)
+    for b, n in enumerate(lens):
+        pos[b, P - n:] = np.arange(n + steps)
+        seg[b, P - n:] = 1
+    mod = PolicyKVCache(kp.KVPolicy(name, slots=N, window=W, sinks=2))
+
+    def run(arrs, prompt):
+        part = lambda a, b: [jnp.asarray(x[:, a:b]) for x in arrs] + [lambda *_: None]  # noqa: E731
+        cache = mod.init(jax.random.key(0), *part(0, prompt))["cache"]
+        outs, kept = [], []
+        for a, b in [(0, prompt)] + [(t, t + 1) for t in range(prompt, prompt + steps)]:
+            o, upd = mod.apply({"cache": cache}, *part(a, b), mutable=["cache"])
+            cache = upd["cache"]
+            outs.append(np.asarray(o[:, -1]))
+            kept.append(np.sort(np.asarray(cache["slot_pos"]), -1))
+        return outs, kept
+
+    outs, kept = run((q, k, v, pos, seg), P)
+    for b, n in enumerate(lens):
+        alone_outs, alone_kept = run([x[b:b + 1, P - n:] for x in (q, k, v, pos, seg)], n)
+        for i in range(len(kept)):
+            np.testing.assert_array_equal(kept[i][b], alone_kept[i][0], err_msg=f"{name} row {b} step {i}")
+        for i in range(1, len(outs)):
+            np.testing.assert_allclose(outs[i][b], alone_outs[i][0], rtol=1e-5, atol=1e-5)
+        if name == "morphkv":
+            free = (kept[0][b] < 0).sum(-1)
+            np.testing.assert_array_equal(free, 1 if n > N else N - n)
+
+
 def _reference_prompt_decode(policy, N, L, P):
     """The reference repo's MorphKV on a logit map L [T, T] with a P-token prompt: no compression
     at prefill; at each decode step t >= P the cache (kept positions plus t) is cut to N by keeping

@@ -239,3 +239,7 @@ def test_first_refresh_defaults_to_one_interval_of_warm_up(sft_data, tmp_path):
     assert evic.settings(c)["start"] == 3
     with pytest.raises(ValueError, match="config.evic.start must be >= 0"):
         trainer.train(_config(sft_data, start=-2), str(tmp_path / "a"))
+    c.evic.start = -1
+    c.evic.every = 200  # the default interval in a 12-step run: no refresh would ever run
+    with pytest.raises(ValueError, match="no refresh would run"):
+        evic.settings(c)
