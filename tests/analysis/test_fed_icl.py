@@ -75,6 +75,16 @@ def test_a_round_that_changes_nothing_is_a_fixed_point():
     r2 = fed_icl.run_fed_icl(f, t["X"], t["Y"], t["xq"], m=3, rounds=6, slots=S)
     assert r2.rounds_run == 2 and len(calls) == 2 * 3
     np.testing.assert_array_equal(r2.server, r.server)
+    # a learner that uses the hint, started at its own fixed point: a client answers the hint it
+    # is given when there is one (else the Bayes answer); from init_B = a fixed answer a, every
+    # round's clients and server return a exactly, and so does the broadcast
+    a = np.linspace(-1.0, 1.0, t["xq"].shape[0])
+    bayes = fed_icl.bayes_icl_fn(0.1, 0.3, 1 / D)
+    echo = lambda X, Y, mask, xq, hint, has: np.where(has > 0, hint, bayes(X, Y, mask, xq, hint, has))  # noqa: E731
+    r5 = fed_icl.run_fed_icl(echo, t["X"], t["Y"], t["xq"], m=3, rounds=4, slots=S, tol=-1.0, init_B=a)
+    for s in r5.server:
+        np.testing.assert_array_equal(s, a)
+    assert all(np.array_equal(msg["payload"]["answer"], a) for msg in r5.log if msg["sender"] == "server")
     # a learner that uses the hint keeps moving
     r3 = fed_icl.run_fed_icl(fed_icl.bayes_icl_fn(0.1, 0.3, 1 / D), t["X"], t["Y"], t["xq"], m=3, rounds=3,
                              slots=S)

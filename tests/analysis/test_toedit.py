@@ -49,6 +49,8 @@ def test_rule_edits_exactly_the_confident_tokens_from_the_top_k():
     for cfg, rate in ((toedit.ToEditConfig(p=1.01), 0.0), (toedit.ToEditConfig(p=0.0, k=4), 1.0)):
         new, hit, _ = toedit.edit_targets(logits, targets, key, cfg)
         assert float(np.mean(hit)) == rate
+        if rate == 0.0:
+            assert (np.asarray(new) == targets).all()
     new, hit, _ = toedit.edit_targets(logits, targets, key, toedit.ToEditConfig(p=0.6, k=1))
     assert np.asarray(hit).any() and (np.asarray(new) == targets).all()
     # banned ids are never drawn, even when they are the most likely

@@ -33,6 +33,9 @@ def test_tlr_identity_mask_and_monotone_error():
         np.testing.assert_allclose(states[t + 1], want, atol=2e-4)  # S_{t+1} = P (W - SVD_r(W - S_t))
         assert not states[t + 1][~keep].any()
     assert all(e1 <= e0 + 1e-6 for e0, e1 in zip(info["errors"], info["errors"][1:])), info["errors"]
+    # the same, recomputed from the states: e_t = ||W - S_t - SVD_r(W - S_t)|| at each step's rank
+    errs = [np.linalg.norm(w - states[t + 1] - _svd_r(w - states[t + 1], r)) for t, r in enumerate(info["ranks"])]
+    assert all(e1 <= e0 * (1 + 1e-5) for e0, e1 in zip(errs, errs[1:])), errs
     np.testing.assert_allclose(b @ a, _svd_r(w - s, 6), atol=2e-4)
 
 

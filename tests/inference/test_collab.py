@@ -69,6 +69,9 @@ def test_sampled_tokens_follow_r_and_a_wrong_rule_is_caught(combiner, monkeypatc
         assert _chi2_pvalue(run(alternate), exact, runs) > 1e-3, alternate
     monkeypatch.setattr(collab, "_accept", lambda rng, r, q, x, greedy: True)
     assert _chi2_pvalue(run(True), exact, runs) < 1e-6
+    monkeypatch.undo()  # the right acceptance, a wrong residual (resample from r after a rejection)
+    monkeypatch.setattr(collab, "_residual", lambda r, q: np.asarray(r, np.float64))
+    assert _chi2_pvalue(run(True), exact, runs) < 1e-6
 
 
 def _np_softmax(z):

@@ -82,6 +82,9 @@ def test_evict_one_slots_keep_the_rule_set_at_every_step(policy, N):
     got = _static_decode(policy, N, L)
     assert got == ref
     assert all(len(k) == min(t + 1, N) for t, k in enumerate(got))  # constant size once full
+    if policy.name == "morphkv":  # evict-one equals the reference's top-(C - W) set rule (spec: [inferred])
+        topk = _reference_prompt_decode(policy, N, L, 1)[1:]  # one-token prompt, then the set rule each step
+        assert got[1:] == topk
 
 
 def test_policies_evict_differently():
@@ -381,9 +384,9 @@ def test_scored_decode_equals_the_full_forward_and_a_sliding_window_model():
     lp, top = scored_decode(cfg, params, toks, prompt_len=5, return_argmax=True)
     np.testing.assert_allclose(lp, ref, rtol=1e-5, atol=2e-5)
     np.testing.assert_array_equal(top, ref_top)  # prompt and decoded steps alike
-    np.testing.assert_allclose(scored_decode(cfg, params, toks, prompt_len=5,
-                                             kv_policy=kp.KVPolicy("h2o", slots=24, window=4)),
-                               ref, rtol=1e-5, atol=2e-5)
+    for pol in (kp.KVPolicy("h2o", slots=24, window=4), kp.KVPolicy("morphkv", slots=24, window=4)):
+        np.testing.assert_allclose(scored_decode(cfg, params, toks, prompt_len=5, kv_policy=pol),
+                                   ref, rtol=1e-5, atol=2e-5, err_msg=pol.name)
     N = 6
     win = forward_lp(ml_collections_copy(cfg, sliding_window=N))
     got = scored_decode(cfg, params, toks, prompt_len=4, kv_policy=kp.KVPolicy("streaming", slots=N, sinks=0))
