@@ -332,8 +332,8 @@ def test_inverse_layer_scaling_flag_equivalence():
 
 
 def test_variance_propagation_at_init():
-    """Paper Table 1, Monte Carlo: storage Var = R σ_w²(σ² + μ²), retrieval
-    Var = Dk σ_w²(σ² + μ²), means 0."""
+    """Paper Table 1, Monte Carlo: storage Var = R σ_w²(σ² + μ²) forward and Dk σ_w²(σ_g² + μ_g²)
+    backward, retrieval Var = Dk σ_w²(σ² + μ²) forward and R σ_w²(σ_g² + μ_g²) backward, means 0."""
     R, K, E, n = 8, 16, 4, 4000
     sw, mu, sd = 0.3, 0.5, 1.5
 
@@ -346,13 +346,24 @@ def test_variance_propagation_at_init():
         Xin = mu + sd * jax.random.normal(kx, (n, 1, E, K))
         a_NKR = sw * jax.random.normal(kw, (n, K, R))
         y = jax.vmap(lambda x, a: rmt.retrieve(x[None], a)[0])(Xin, a_NKR)
-        return X.var(), X.mean(), y.var(), y.mean()
+        # backward: cotangents of mean mu and std sd through each map (Table 1's gradient column)
+        kg1, kg2 = jax.random.split(jax.random.key(1))
+        g_X = mu + sd * jax.random.normal(kg1, X.shape)
+        dx = jax.vmap(lambda x, w, g: jax.vjp(lambda v: rmt.store(v[None], w)[0], x)[1](g)[0])(x_NTRE, w_NRK, g_X)
+        g_y = mu + sd * jax.random.normal(kg2, y.shape)
+        dX = jax.vmap(lambda x, a, g: jax.vjp(lambda v: rmt.retrieve(v[None], a)[0], x)[1](g)[0])(Xin, a_NKR, g_y)
+        return X.var(), X.mean(), y.var(), y.mean(), dx.var(), dx.mean(), dX.var(), dX.mean()
 
-    X_var, X_mean, y_var, y_mean = map(float, moments())
-    assert abs(X_var / (R * sw ** 2 * (sd ** 2 + mu ** 2)) - 1) < 0.05
+    X_var, X_mean, y_var, y_mean, dx_var, dx_mean, dX_var, dX_mean = map(float, moments())
+    scale = sw ** 2 * (sd ** 2 + mu ** 2)
+    assert abs(X_var / (R * scale) - 1) < 0.05
     assert abs(X_mean) < 0.05
-    assert abs(y_var / (K * sw ** 2 * (sd ** 2 + mu ** 2)) - 1) < 0.05
+    assert abs(y_var / (K * scale) - 1) < 0.05
     assert abs(y_mean) < 0.05
+    assert abs(dx_var / (K * scale) - 1) < 0.05  # storage backward: Dk sw^2 (sd^2 + mu^2)
+    assert abs(dx_mean) < 0.05
+    assert abs(dX_var / (R * scale) - 1) < 0.05  # retrieval backward: R sw^2 (sd^2 + mu^2)
+    assert abs(dX_mean) < 0.05
 
 
 # ----------------------------------------------------------------------------- decoding
