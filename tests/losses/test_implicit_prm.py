@@ -60,10 +60,14 @@ def test_aggregations_and_kappa_ranking_invariance():
             ranks = [np.argsort(np.asarray(ip.score(lrs, e, m, kappa=k, score_type=st, how=how)))
                      for k in (0.001, 0.1, 3.0)]
             assert all(np.array_equal(ranks[0], x) for x in ranks[1:])
-    # weighted majority voting depends on kappa: answer "a" (1 confident vote) vs "b" (2 weak)
-    answers, scores = [["a", "b", "b"]], np.array([[6.0, -1.0, -1.0]])
-    assert prm_eval.weighted_majority(answers, scores, ["a"], [3])[3] == 1.0
-    assert prm_eval.weighted_majority(answers, scores * 0.001, ["a"], [3])[3] == 0.0
+    # weighted majority voting depends on kappa, through ip.score: answer "a" (1 confident vote)
+    # vs "b" (2 weak ones); the same log-ratios scored at kappa 1 pick a, at 0.001 pick b
+    answers = [["a", "b", "b"]]
+    lr3 = jnp.asarray([[3.0, 3.0], [-0.5, -0.5], [-0.5, -0.5]], jnp.float32)  # summed: 6, -1, -1
+    e3, m3 = jnp.array([[1]] * 3), jnp.ones((3, 1))
+    for kappa, want in ((1.0, 1.0), (0.001, 0.0)):
+        sc = np.asarray(ip.score(lr3, e3, m3, kappa=kappa, score_type="accumulative", how="sum"))[None]
+        assert prm_eval.weighted_majority(answers, sc, ["a"], [3])[3] == want, kappa
 
 
 def test_changing_a_later_token_leaves_earlier_step_rewards(tiny_model):
