@@ -115,6 +115,25 @@ def test_acceptance_rate_is_the_overlap_of_draft_and_target():
             assert want >= 0.35
 
 
+def test_the_drivers_acceptance_rate_is_the_overlap():
+    """Through ``speculative_decode`` itself (fixed roles, one draft per round): with next-token
+    tables that ignore the context, every draft is accepted with probability sum_x min(q, r);
+    the run's accepted / drafted matches it within 4 standard errors, and for ``we`` it is at
+    least the drafter's weight."""
+    rng = np.random.default_rng(8)
+    la, lb = rng.normal(size=V) * 1.5, rng.normal(size=V) * 1.5
+    ta, tb = np.tile(la, (V, 1)), np.tile(lb, (V, 1))
+    for comb in (collab.Combiner("we", weight_a=0.3), collab.Combiner("cd", alpha=0.5)):
+        want = np.minimum(_np_softmax(la), comb(la, lb)).sum()
+        st = {}
+        collab.speculative_decode([collab.TableLM(ta), collab.TableLM(tb)], [0], 3000, comb, gamma=1,
+                                  temperature=1.0, alternate=False, seed=1, stats=st)
+        got = st["accepted"] / st["drafted"]
+        assert abs(got - want) < 4 * np.sqrt(want * (1 - want) / st["drafted"]), (comb.name, got, want)
+        if comb.name == "we":
+            assert got > 0.3 - 4 * np.sqrt(0.21 / st["drafted"])
+
+
 @pytest.mark.parametrize("combiner", COMBINERS[:2], ids=lambda c: c.name)
 def test_sampled_tokens_follow_r_at_another_temperature(combiner):
     """T = 0.6: CoS's sampled sequences are still r's (chi-square over 3-token sequences, V = 6)."""
