@@ -68,3 +68,18 @@ def test_precision_keys_are_free_on_resume():
     assert not any(workdir_lib.config_changes(saved, new).values())
     new["model"]["rmt"]["key_dim"] = 8  # (a param-shape key is still refused)
     assert workdir_lib.config_changes(saved, new)["fixed"]
+
+
+def test_decode_only_keys_are_free_on_resume():
+    """The KV-cache policy and decode_unrolled never touch training: a run resumes under other
+    values (e.g. the SnapKV pooling default that changed from 7 to 5); a training key does not."""
+    import json
+    from icml_jax.train import workdir as workdir_lib
+    saved = json.loads(load_config("configs/lm.py:tiny").to_json_best_effort())
+    new = json.loads(json.dumps(saved))
+    saved["model"]["kv_policy"]["pool"] = 7
+    new["model"]["kv_policy"].update(name="morphkv", slots=64, window=8)
+    new["model"]["decode_unrolled"] = not new["model"].get("decode_unrolled", True)
+    assert not any(workdir_lib.config_changes(saved, new).values())
+    new["model"]["d_model"] = 48
+    assert workdir_lib.config_changes(saved, new)["fixed"] == ["model.d_model: 32 -> 48"]

@@ -40,7 +40,11 @@ MANIFEST = "checksums.json"
 _FIXED_PREFIXES = ("task", "seed", "model.", "data.", "train.batch_size")
 # keys under those prefixes that change neither the state nor the data: a location (moving the
 # TFDS folder does not change the data) and how the same params are computed
-_FREE_KEYS = ("data.data_dir", "model.remat", "model.dtype", "model.rmt.residual_dtype")
+_FREE_KEYS = ("data.data_dir", "model.remat", "model.dtype", "model.rmt.residual_dtype",
+              "model.decode_unrolled")
+# decode-time settings: the KV-cache policy is never part of training (the train forward has no
+# cache), so a run resumes under another one (e.g. a changed default SnapKV pooling kernel)
+_FREE_PREFIXES = ("model.kv_policy.",)
 # config keys added later, with the value that means "as before": a run saved without one resumes
 ADDED_DEFAULTS = {"model.lowrank": 0, "model.blocks.attention": "", "model.blocks.ffn": ""}
 # keys that define the learning-rate schedule (optimizer.lr_schedule)
@@ -150,7 +154,8 @@ def config_changes(saved: dict, new: dict) -> dict:
         old, cur = a.get(key, "<absent>"), b.get(key, "<absent>")
         if old == "<absent>" and key in ADDED_DEFAULTS and _same(ADDED_DEFAULTS[key], cur):
             continue  # a key added after the run was written, at the value the run had
-        if _same(old, cur) or key in _FREE_KEYS or key == "train.start_over":
+        if (_same(old, cur) or key in _FREE_KEYS or key.startswith(_FREE_PREFIXES)
+                or key == "train.start_over"):
             continue
         kind = ("schedule" if key in SCHEDULE_KEYS else
                 "fixed" if any(key == p or key.startswith(p) for p in _FIXED_PREFIXES) else "other")
