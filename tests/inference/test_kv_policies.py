@@ -240,12 +240,16 @@ def test_a_left_padded_batch_of_mixed_prompt_lengths_equals_each_row_alone(name)
         seg[b, P - n:] = 1
     mod = PolicyKVCache(kp.KVPolicy(name, slots=N, window=W, sinks=2))
 
+    no_bias = lambda *_: None  # noqa: E731
+    init = jax.jit(lambda *x: mod.init(jax.random.key(0), *x, no_bias)["cache"])  # one program per shape
+    step = jax.jit(lambda cache, *x: mod.apply({"cache": cache}, *x, no_bias, mutable=["cache"]))
+
     def run(arrs, prompt):
-        part = lambda a, b: [jnp.asarray(x[:, a:b]) for x in arrs] + [lambda *_: None]  # noqa: E731
-        cache = mod.init(jax.random.key(0), *part(0, prompt))["cache"]
+        part = lambda a, b: [jnp.asarray(x[:, a:b]) for x in arrs]  # noqa: E731
+        cache = init(*part(0, prompt))
         outs, kept = [], []
         for a, b in [(0, prompt)] + [(t, t + 1) for t in range(prompt, prompt + steps)]:
-            o, upd = mod.apply({"cache": cache}, *part(a, b), mutable=["cache"])
+            o, upd = step(cache, *part(a, b))
             cache = upd["cache"]
             outs.append(np.asarray(o[:, -1]))
             kept.append(np.sort(np.asarray(cache["slot_pos"]), -1))
