@@ -3,4 +3,4 @@
 may not import inference)."""
 from icml_jax.models.kv_policies import (NEG_INF, POLICIES, KVPolicy, SlotState, choose_slot,  # noqa: F401
                                          init_state, morph_scores, observe, prefill_keep,
-                                         prefill_scores, prefill_select, write)
+                                         prefill_scores, prefill_select, prefill_state, write)

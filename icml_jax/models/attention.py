@@ -297,7 +297,6 @@ class PolicyKVCache(nn.Module):
         B, T, G, R, K = q_BTGRK.shape
         ready = self.has_variable("cache", "k")
         N = T if pol.name == "snapkv" or not pol.slots else pol.slots  # init sees the full size
-        W = pol.window if pol.name == "morphkv" else 0
         ck = self.variable("cache", "k", jnp.zeros, (B, G, N, K), k_BTGK.dtype)
         cv = self.variable("cache", "v", jnp.zeros, (B, G, N, K), v_BTGK.dtype)
         init = kp.init_state(pol, (B, G), N)
@@ -314,7 +313,7 @@ class PolicyKVCache(nn.Module):
             o = jnp.einsum("BGRTS,BSGK->BTGRK", probs.astype(v_BTGK.dtype), v_BTGK)
             if ready:  # the policy's inputs: group-summed raw logits (-inf = unseen) and probabilities
                 self._fill(ck, cv, spos, sscore, swin, k_BTGK, v_BTGK, positions_BT, segment_ids_BT,
-                           jnp.where(mask[:, None, None], z, -jnp.inf).sum(2), probs.sum(2), N, W)
+                           jnp.where(mask[:, None, None], z, -jnp.inf).sum(2), probs.sum(2), N)
             return o
         state = kp.SlotState(spos.value, sscore.value, swin.value)
         t = positions_BT[:, :1, None]  # [B, 1, 1]: the new token's position, against [B, G, N]
@@ -337,36 +336,19 @@ class PolicyKVCache(nn.Module):
         spos.value, sscore.value, swin.value = state
         return o[:, None]
 
-    def _fill(self, ck, cv, spos, sscore, swin, k_BSGK, v_BSGK, pos_BS, seg_BS, zsum_BGTS, psum_BGTS, N, W):
-        """Keeps the policy's prompt slots: k/v, positions, h2o's accumulated scores and MorphKV's
-        window (the last W prompt queries' logit rows at the kept columns)."""
+    def _fill(self, ck, cv, spos, sscore, swin, k_BSGK, v_BSGK, pos_BS, seg_BS, zsum_BGTS, psum_BGTS, N):
+        """Keeps the policy's prompt slots (``kv_policies.prefill_state``) and their keys/values."""
         from icml_jax.models import kv_policies as kp
         B, S, G, K = k_BSGK.shape
         valid = jnp.broadcast_to((seg_BS > 0)[:, None], (B, G, S))
         pos = jnp.broadcast_to(pos_BS[:, None], (B, G, S))
-        keep_n = self.policy.slots or N  # snapkv: its prompt budget, the rest grows during decode
-        idx, chosen = kp.prefill_select(self.policy, keep_n, pos, valid, zsum_BGTS, psum_BGTS)  # [B, G, n]
+        idx, state = kp.prefill_state(self.policy, N, pos, valid, zsum_BGTS, psum_BGTS)  # idx [B, G, n]
         n = idx.shape[-1]
-        take = lambda x: jnp.take_along_axis(x, idx, axis=-1)  # noqa: E731
-        kk = jnp.take_along_axis(jnp.swapaxes(k_BSGK, 1, 2), idx[..., None], axis=2)
-        vv = jnp.take_along_axis(jnp.swapaxes(v_BSGK, 1, 2), idx[..., None], axis=2)
-        fill = lambda x, val: jnp.concatenate(  # noqa: E731
-            [x, jnp.full(x.shape[:2] + (N - n,) + x.shape[3:], val, x.dtype)], axis=2) if N > n else x
-        ck.value = fill(kk.astype(ck.value.dtype), 0)
-        cv.value = fill(vv.astype(cv.value.dtype), 0)
-        slot_pos = jnp.where(chosen, take(pos), -1).astype(jnp.int32)
-        acc = jnp.where(chosen, take(jnp.where(valid[..., None, :], psum_BGTS, 0.0).sum(-2)), 0.0)
-        pad_last = lambda x, val: (jnp.concatenate(  # noqa: E731
-            [x, jnp.full(x.shape[:-1] + (N - n,), val, x.dtype)], axis=-1) if N > n else x)
-        spos.value = pad_last(slot_pos, -1)
-        sscore.value = pad_last(acc.astype(jnp.float32), 0.0)
-        if W:
-            rows = zsum_BGTS[:, :, max(0, S - W):, :]  # [B, G, w, S]
-            rows = jnp.take_along_axis(rows, jnp.broadcast_to(idx[:, :, None], rows.shape[:3] + (n,)), -1)
-            rows = jnp.where(chosen[:, :, None], rows, -jnp.inf)
-            if rows.shape[2] < W:
-                rows = jnp.concatenate([jnp.full(rows.shape[:2] + (W - rows.shape[2], n), -jnp.inf), rows], 2)
-            swin.value = pad_last(rows.astype(jnp.float32), -jnp.inf)
+        fill = lambda x: jnp.concatenate(  # noqa: E731
+            [x, jnp.zeros(x.shape[:2] + (N - n,) + x.shape[3:], x.dtype)], axis=2) if N > n else x
+        ck.value = fill(jnp.take_along_axis(jnp.swapaxes(k_BSGK, 1, 2), idx[..., None], axis=2).astype(ck.value.dtype))
+        cv.value = fill(jnp.take_along_axis(jnp.swapaxes(v_BSGK, 1, 2), idx[..., None], axis=2).astype(cv.value.dtype))
+        spos.value, sscore.value, swin.value = state
 
 
 class Attention(nn.Module):

@@ -205,6 +205,35 @@ def prefill_select(policy: KVPolicy, slots: int, pos_P, valid_P, logits_PP=None,
     return idx, top > NEG_INF
 
 
+def prefill_state(policy: KVPolicy, slots: int, pos_P, valid_P, logits_PP=None, probs_PP=None):
+    """(column indices [..., n] the prompt keeps, ``SlotState`` of ``slots`` slots): the policy's
+    state after its prompt (``prefill_select``'s choice; empty slots after the kept ones): the
+    kept positions, h2o's accumulated prompt attention (``probs_PP`` summed over the real query
+    rows) and MorphKV's window (the last W prompt rows' logits at the kept columns). The cache
+    module gathers its keys and values at the same indices."""
+    keep_n = policy.slots or slots  # snapkv: its prompt budget; the rest grows during decode
+    idx, chosen = prefill_select(policy, keep_n, pos_P, valid_P, logits_PP, probs_PP)
+    lead, n = idx.shape[:-1], idx.shape[-1]
+    take = lambda x: jnp.take_along_axis(x, idx, axis=-1)  # noqa: E731
+    pad = lambda x, val: (jnp.concatenate(  # noqa: E731
+        [x, jnp.full(x.shape[:-1] + (slots - n,), val, x.dtype)], axis=-1) if slots > n else x)
+    pos = pad(jnp.where(chosen, take(pos_P), -1).astype(jnp.int32), -1)
+    if probs_PP is None:
+        score = jnp.zeros(lead + (slots,), jnp.float32)
+    else:
+        acc = jnp.where(valid_P[..., None, :], probs_PP, 0.0).sum(-2)
+        score = pad(jnp.where(chosen, take(acc), 0.0).astype(jnp.float32), 0.0)
+    W = policy.window if policy.name == "morphkv" else 0
+    window = jnp.full(lead + (W, slots), NEG_INF, jnp.float32)
+    if W:
+        P = logits_PP.shape[-1]
+        rows = logits_PP[..., max(0, P - W):, :]  # the last W prompt rows (fewer for a short prompt)
+        rows = jnp.take_along_axis(rows, jnp.broadcast_to(idx[..., None, :], rows.shape[:-1] + (n,)), -1)
+        rows = jnp.where(chosen[..., None, :], rows, NEG_INF).astype(jnp.float32)
+        window = window.at[..., W - rows.shape[-2]:, :n].set(rows)
+    return idx, SlotState(pos, score, window)
+
+
 def prefill_keep(policy: KVPolicy, slots: int, logits_PP=None, probs_PP=None) -> jax.Array:
     """Prompt positions [..., slots] (ascending) a policy keeps of an unpadded P-token prompt,
     P > slots (``prefill_scores`` with every token real); MorphKV keeps slots - 1 (its free slot

@@ -83,7 +83,7 @@ def test_directions_unit_norm_signed_and_sigma_is_projection_std():
         mu_d = acts[labels == desired].mean(0)
         mu_u = acts[labels != desired].mean(0)
         assert (np.einsum("lhk,lhk->lh", mu_d - mu_u, theta) > 0).all()  # moves toward desired
-    probes = iti.fit_probes(acts, labels, steps=200)
+    probes = iti.fit_probes(acts, labels)
     for desired in (1, 0):
         theta = iti.probe_directions(probes, desired)
         np.testing.assert_allclose(np.linalg.norm(theta, axis=-1), 1.0, rtol=1e-6)

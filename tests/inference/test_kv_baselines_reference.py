@@ -39,12 +39,12 @@ Convention mapping (ours: N slots that hold the current token too; W = ``window`
 """
 import os
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from icml_jax.models import kv_policies as kp
+from tests.inference.helpers import decode_kept, kept_sets
 
 REF = os.path.join(os.path.dirname(__file__), "data", "kv_baselines_reference.npz")
 
@@ -63,29 +63,6 @@ def _softmax(z):
 def _causal(z):
     T = z.shape[-1]
     return np.where(np.tril(np.ones((T, T), bool)), z, -np.inf)
-
-
-def _decode(policy, L_HTT, state, t0):
-    """Our slot rules over decode steps t0 .. T-1 driven by the logit map L[h, t, s] (each head its
-    own row), from ``state`` (lead shape [H]): the kept positions [H, steps, N] (-1 = empty)."""
-    @jax.jit
-    def step(state, t, row_HT):
-        slot = kp.choose_slot(policy, state, t)
-        state = kp.write(policy, state, slot, t)
-        valid = state.pos >= 0
-        z = jnp.where(valid, jnp.take_along_axis(row_HT, jnp.clip(state.pos, 0), axis=-1), -jnp.inf)
-        return kp.observe(policy, state, z, jax.nn.softmax(z, axis=-1))
-
-    kept = []
-    for t in range(t0, L_HTT.shape[1]):
-        state = step(state, t, jnp.asarray(L_HTT[:, t], jnp.float32))
-        kept.append(np.sort(np.asarray(state.pos), -1))
-    return np.stack(kept, 1)
-
-
-def _sorted_valid(a):
-    """-1-padded rows -> sorted position lists (padding first after np.sort, so drop it)."""
-    return [sorted(int(x) for x in row if x >= 0) for row in a]
 
 
 @pytest.mark.parametrize("kernel", [5, 7])
@@ -114,7 +91,7 @@ def test_h2o_prompt_then_decode_matches_h2o_kv_cache(ref):
     acc = probs.sum(-2)  # as PolicyKVCache._fill seeds h2o's scores: the prompt queries' column sums
     state = state._replace(pos=jnp.asarray(kept, jnp.int32),
                            score=jnp.asarray(np.take_along_axis(acc, kept, -1), jnp.float32))
-    got = _decode(pol, L, state, P)  # [H, steps, N]
+    got = decode_kept(pol, L, state, P)  # [H, steps, N]
     np.testing.assert_array_equal(got, ref["h2o_prompt_attended"])  # the set each step attends over
     # the reference's kept set after step t is ours after step t + 1 without t + 1
     ours_next = [[[p for p in got[h, i + 1] if p != P + i + 1] for i in range(got.shape[1] - 1)]
@@ -126,10 +103,10 @@ def test_h2o_token_by_token_matches_h2o_kv_cache(ref):
     pol, N = _h2o_policy(ref)
     L = ref["h2o_logits"]
     state = kp.init_state(pol, (L.shape[0],), N)
-    got = _decode(pol, L, state, 0)  # ours from empty: step 0 is the reference's one-token prompt
+    got = decode_kept(pol, L, state, 0)  # ours from empty: step 0 is the reference's one-token prompt
     att = ref["h2o_stream_attended"]  # steps 1 .. T-1
     for h in range(L.shape[0]):
-        assert [sorted(int(x) for x in row if x >= 0) for row in got[h, 1:]] == _sorted_valid(att[h]), h
+        assert kept_sets(got[h, 1:]) == kept_sets(att[h]), h
 
 
 def test_streaming_prompt_then_decode_matches_start_recent_kv_cache(ref):
@@ -140,9 +117,9 @@ def test_streaming_prompt_then_decode_matches_start_recent_kv_cache(ref):
     kept = np.asarray(kp.prefill_keep(pol, N, logits_PP=jnp.asarray(L[0, :P, :P])))
     np.testing.assert_array_equal(kept, ref["stream_prefill_kept"])
     state = kp.init_state(pol, (1,), N)._replace(pos=jnp.asarray(kept[None], jnp.int32))
-    np.testing.assert_array_equal(_decode(pol, L, state, P)[0], ref["stream_prompt_attended"])
-    got = _decode(pol, L, kp.init_state(pol, (1,), N), 0)[0]
-    assert _sorted_valid(got) == _sorted_valid(ref["stream_stream_attended"])
+    np.testing.assert_array_equal(decode_kept(pol, L, state, P)[0], ref["stream_prompt_attended"])
+    got = decode_kept(pol, L, kp.init_state(pol, (1,), N), 0)[0]
+    assert kept_sets(got) == kept_sets(ref["stream_stream_attended"])
 
 
 def test_fixture_discriminates(ref):

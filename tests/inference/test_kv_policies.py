@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from icml_jax.inference import kv_policies as kp
+from tests.inference.helpers import decode_kept, kept_sets
 
 T_STEPS = 48
 
@@ -50,23 +51,7 @@ def _reference_decode(policy, N, L):
 
 def _static_decode(policy, N, L):
     """The jitted slot rules driven by the same logits: kept positions after each step."""
-    state = kp.init_state(policy, (1,), N)
-
-    @jax.jit
-    def step(state, t, row_T):
-        slot = kp.choose_slot(policy, state, t)
-        state = kp.write(policy, state, slot, t)
-        valid = state.pos >= 0
-        logits = jnp.where(valid, jnp.take_along_axis(row_T, jnp.clip(state.pos, 0), axis=-1), -jnp.inf)
-        probs = jax.nn.softmax(logits, axis=-1)
-        return kp.observe(policy, state, logits, probs)
-
-    kept = []
-    for t in range(L.shape[0]):
-        state = step(state, t, jnp.asarray(L[t], jnp.float32)[None])
-        pos = np.asarray(state.pos[0])
-        kept.append(sorted(int(x) for x in pos if x >= 0))
-    return kept
+    return kept_sets(decode_kept(policy, L[None], kp.init_state(policy, (1,), N), 0)[0])
 
 
 @pytest.mark.parametrize("policy,N", [

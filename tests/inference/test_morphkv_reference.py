@@ -43,6 +43,7 @@ import numpy as np
 import pytest
 
 from icml_jax.inference import kv_policies as kp
+from tests.inference.helpers import decode_kept, kept_sets
 
 REF = os.path.join(os.path.dirname(__file__), "data", "morphkv_reference.npz")
 CASES = [(s, f) for s in range(3) for f in ("sum", "max")]
@@ -64,39 +65,15 @@ def _case(ref, s, fuse):
 
 
 def _ours(policy, N, L, P):
-    """Our slot rules on the reference's logits, rows = (layer, head): the prompt's slots as
-    ``PolicyKVCache._fill`` keeps them (``prefill_select`` on the causal prompt logits; the window =
-    the last W prompt rows at the kept columns), then ``choose_slot`` / ``write`` / ``observe`` per
-    decode step as ``_static_decode`` in test_kv_policies.py. Kept positions after the prompt and
-    after each step."""
-    H, T, _ = L.shape
-    W = policy.window
+    """Our slot rules on the reference's logits, rows = (layer, head): the prompt's slots as the
+    cache module keeps them (``prefill_state`` on the causal prompt logits), then ``choose_slot`` /
+    ``write`` / ``observe`` per decode step. Kept positions after the prompt and after each step."""
+    H = L.shape[0]
     Lj = jnp.asarray(L)
-    pos = jnp.broadcast_to(jnp.arange(P), (H, P))
-    idx, chosen = kp.prefill_select(policy, N, pos, jnp.ones((H, P), bool), Lj[:, :P, :P])
-    n = idx.shape[-1]
-    slot_pos = jnp.where(chosen, idx, -1).astype(jnp.int32)
-    rows = jnp.take_along_axis(Lj[:, max(0, P - W):P, :P], jnp.broadcast_to(idx[:, None], (H, min(P, W), n)), -1)
-    rows = jnp.where(chosen[:, None], rows, -jnp.inf)
-    if rows.shape[1] < W:
-        rows = jnp.concatenate([jnp.full((H, W - rows.shape[1], n), -jnp.inf), rows], 1)
-    state = kp.SlotState(jnp.pad(slot_pos, ((0, 0), (0, N - n)), constant_values=-1),
-                         jnp.zeros((H, N), jnp.float32),
-                         jnp.pad(rows, ((0, 0), (0, 0), (0, N - n)), constant_values=-jnp.inf))
-
-    @jax.jit
-    def step(state, t, row_HT):
-        slot = kp.choose_slot(policy, state, t)
-        state = kp.write(policy, state, slot, t)
-        valid = state.pos >= 0
-        logits = jnp.where(valid, jnp.take_along_axis(row_HT, jnp.clip(state.pos, 0), axis=-1), -jnp.inf)
-        return kp.observe(policy, state, logits, jax.nn.softmax(logits, axis=-1))
-
-    out = [[sorted(int(x) for x in r if x >= 0) for r in np.asarray(state.pos)]]
-    for t in range(P, T):
-        state = step(state, t, Lj[:, t])
-        out.append([sorted(int(x) for x in r if x >= 0) for r in np.asarray(state.pos)])
-    return out
+    _, state = kp.prefill_state(policy, N, jnp.broadcast_to(jnp.arange(P), (H, P)), jnp.ones((H, P), bool),
+                                Lj[:, :P, :P])
+    steps = decode_kept(policy, Lj, state, P)  # [H, steps, N]
+    return [kept_sets(state.pos)] + [kept_sets(steps[:, i]) for i in range(steps.shape[1])]
 
 
 def _check(ours, ref_sets, P, N):
