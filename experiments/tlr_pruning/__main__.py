@@ -37,7 +37,7 @@ PRESETS = {
                  train=dict(steps=30, batch_size=8, lr=1e-2, warmup_steps=3, log_every=10, eval_every=30,
                             eval_batches=1, checkpoint_every=30)),
         settings=(("unstructured", 0.5), ("2:4", 0.5)), methods=("magnitude", "wanda"), ranks=(4,),
-        iters=4, long_iters=8, calib_seeds=(0,), calib_rows=8, eval_batches=2, gate_damage=1.0),
+        iters=4, long_iters=0, calib_seeds=(0,), calib_rows=8, eval_batches=2, gate_damage=1.0),
     "default": preset(
         run=dict(model=dict(d_model=256, num_layers=4, num_heads=4, num_kv_heads=4, head_dim=64, ffn_dim=1024,
                             max_seq_len=128),
