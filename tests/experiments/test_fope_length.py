@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from experiments.fope_length.__main__ import FACTORS, PRESETS, main
+from experiments.fope_length.__main__ import FACTORS, METHODS as ALL_METHODS, PRESETS, main, method_config
 
 METHODS = tuple(PRESETS["tiny"].methods)
 
@@ -18,11 +18,13 @@ def test_fope_length_tiny_outputs(fope_tiny_run, session_tfds_dir, monkeypatch):
     wd = fope_tiny_run
     cfg = json.load(open(os.path.join(wd, "config.json")))
     assert cfg["methods"] == list(METHODS) and len(cfg["seeds"]) >= 2
-    # the control arms differ from their bases only in the flag they control
-    runs = {m: json.load(open(os.path.join(wd, f"{m}_s0", "eval.json")))["key"]["config"]["model"]
-            for m in METHODS}
-    assert runs["rope_clip"] == {**runs["rope"], "rope_floor_clip": True}
-    assert runs["fope_pad0"] == {**runs["fope"], "fope": {**runs["fope"]["fope"], "pad_sin_value": 0.0}}
+    # each run trained the config method_config gives it
+    for m in METHODS:
+        for s in cfg["seeds"]:
+            key = json.load(open(os.path.join(wd, f"{m}_s{s}", "eval.json")))["key"]["config"]
+            want = json.loads(method_config("tiny", m, s, cfg["base_config"]["train"]["steps"])
+                              .to_json_best_effort())
+            assert key["model"] == want["model"] and key["seed"] == s
     L = cfg["base_config"]["data"]["seq_len"]
     rows = list(csv.DictReader(open(os.path.join(wd, "results.csv"))))
     ppl = [r for r in rows if r["metric"] == "perplexity"]
@@ -47,6 +49,24 @@ def test_fope_length_tiny_outputs(fope_tiny_run, session_tfds_dir, monkeypatch):
     before = os.path.getmtime(ev)
     main([f"--workdir={wd}", "--preset=tiny"])
     assert os.path.getmtime(ev) == before
+
+
+def test_control_arms_differ_from_their_bases_only_in_their_flag():
+    """rope_clip is RoPE with floor clipping and fope_pad0 is FoPE with pad_sin_value 0: every
+    other setting of the two configs is the same (the default preset runs all four arms)."""
+    assert set(PRESETS["default"].methods) == {"rope", "rope_clip", "fope", "fope_pad0"}
+    cfgs = {m: json.loads(method_config("default", m, 1, 600).to_json_best_effort())
+            for m in ALL_METHODS}
+    clip = json.loads(json.dumps(cfgs["rope"]))
+    clip["model"]["rope_floor_clip"] = True
+    assert cfgs["rope_clip"] == clip and cfgs["rope"]["model"]["rope_floor_clip"] is False
+    pad0 = json.loads(json.dumps(cfgs["fope"]))
+    pad0["model"]["fope"]["pad_sin_value"] = 0.0
+    assert cfgs["fope_pad0"] == pad0 and cfgs["fope"]["model"]["fope"]["pad_sin_value"] != 0.0
+    assert {m: c["model"]["position"] for m, c in cfgs.items()} == {
+        "rope": "rope", "rope_clip": "rope", "fope": "fope", "fope_pad0": "fope", "alibi": "alibi",
+        "nope": "nope"}
+    assert all(c["seed"] == 1 and c["train"]["steps"] == 600 for c in cfgs.values())
 
 
 def test_passkey_mix_corpus(tmp_path, monkeypatch):

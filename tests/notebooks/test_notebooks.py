@@ -15,8 +15,10 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+from experiments.fope_length.__main__ import PRESETS as _FOPE_PRESETS
 from icml_jax.config_utils import REPO_ROOT
 
+_FOPE_TINY = _FOPE_PRESETS["tiny"]
 NOTEBOOKS = sorted(glob.glob(os.path.join(REPO_ROOT, "notebooks", "*.ipynb")))
 
 
@@ -41,7 +43,7 @@ def _testbed(run, work):
 SHARED = {
     "fope_length_generalization.ipynb": (
         "fope_tiny_run", _fope,
-        [f"{m}_s{s}/eval.json" for m in ("rope", "rope_clip", "fope", "fope_pad0") for s in (0, 1)]),
+        [f"{m}_s{s}/eval.json" for m in _FOPE_TINY.methods for s in _FOPE_TINY.seeds]),
     "implicit_prm_quickstart.ipynb": (
         "implicit_prm_tiny_run", _implicit_prm,
         [f"exp/{f}" for f in ("generator_result.json", "samples_train.json", "samples_eval.json",
