@@ -53,7 +53,7 @@ PRESETS = {
                  data=dict(seq_len=32),
                  train=dict(steps=30, batch_size=8, lr=1e-2, warmup_steps=3, log_every=10, eval_every=30,
                             eval_batches=3, checkpoint_every=30)),
-        attention=(1, "linear", "noop"), ffn=(32, 16, "linear", "noop"), bld_steps=8, bld_lr=3e-3,
+        attention=(1, "noop"), ffn=(32, "linear", "noop"), bld_steps=8, bld_lr=3e-3,
         calib_rows=8, score_batches=1, uniform=((1, 32),), drop=("last",), budget=(0.5, 0.5),
         latency_child=True, latency_repeats=3,
         gkd_steps=4, gkd_lr=3e-3, gkd_seeds=(0,), gkd_arms=("Puzzle @ 50% / 50%",),
