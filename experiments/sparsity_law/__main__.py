@@ -42,6 +42,7 @@ DIR/activation_ratio_vs_tokens.png and DIR/dense_ppl_vs_tokens.png; per run the 
 metrics.jsonl, TensorBoard events and checkpoints.
 """
 import argparse
+import functools
 import json
 import math
 import os
@@ -173,7 +174,8 @@ def run_model(cfg, run_dir, exp, steps, batches, protocols):
 
     info = dict(cached(os.path.join(run_dir, "train.json"), key, train, seconds_key="train_seconds"),
                 eval_seconds=0.0)
-    load = lambda step: load_params(ckpts, step)  # noqa: E731
+    # each step's checks and evaluation read the same checkpoint in turn: restore it once
+    load = functools.lru_cache(maxsize=2)(lambda step: load_params(ckpts, step))
     act, seed = cfg.model.mlp.activation, cfg.seed
     cett = None
     if "fixed" in protocols:
