@@ -81,7 +81,8 @@ def test_bld_lowers_every_trained_variants_block_error(parent, trained):
 def test_the_linear_ffn_starts_at_the_least_squares_optimum_of_its_calibration_rows(parent):
     m, params, library, vparams = parent
     calib = _batch(99, B=8)
-    at = lambda v: np.asarray(P.bld_losses(m, params, library, v, calib)["ffn_linear"])  # noqa: E731
+    loss = jax.jit(lambda v: P.bld_losses(m, params, library, v, calib)["ffn_linear"])
+    at = lambda v: np.asarray(loss(v))  # noqa: E731
     base = at(vparams)
     assert np.all(base < 1.0)  # better than predicting zero (the no-op)
     for eps in (1e-2, -1e-2):  # and a local minimum: any nudge of the kernel is worse
@@ -130,6 +131,8 @@ def test_a_child_of_the_parents_blocks_is_the_parent_and_others_run(parent, trai
 def test_the_searched_child_meets_its_budgets(parent, trained, scoring):
     m, params, library, _ = parent
     vparams, _, _ = trained
+    # a sub-library (3 attention x 4 FFN variants: each scored pair is its own compile)
+    library = [v for v in library if v.name not in ("attn_linear", "ffn16")]
     scores = P.score_pairs(m, params, vparams, P.pairs_for(library, scoring, m), _batch(11))
     lib = P.build_library(m, library, scores, scoring=scoring)
     full = P.choice_costs(m, P.uniform_choice(m, 2, 64))
