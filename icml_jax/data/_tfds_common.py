@@ -11,7 +11,10 @@ Verified with tensorflow-datasets 4.9.10 and no TensorFlow installed: a
   ``importlib_resources.abc``, a backport that TFDS only declares for Python < 3.9, so preparing a
   builder defined inside a package fails with ``ModuleNotFoundError: importlib_resources`` on 3.11.
 * ``DownloadConfig(try_download_gcs=False)`` so that preparing never tries to reach the TFDS GCS
-  bucket (these corpora are generated locally).
+  bucket (these corpora are generated locally). For the same reason ``LocalDatasetInfo`` skips
+  ``DatasetInfo.initialize_from_bucket``, which a builder calls while its folder holds no metadata
+  yet: TFDS 4.9.10 makes a ``tmp*tfds`` folder for the bucket's files before finding there are
+  none, and leaves it behind in the system temp folder (one per first build).
 
 Records come back as dicts of ``bytes`` for ``Text`` features (TF would decode them to ``str``), so
 readers decode UTF-8 themselves (``record_text``).
@@ -35,6 +38,13 @@ class LocalBuilder:
     @classmethod
     def code_path(cls) -> epath.Path:  # pylint: disable=no-self-argument
         return epath.Path(inspect.getfile(cls))
+
+
+class LocalDatasetInfo(tfds.core.DatasetInfo):
+    """``DatasetInfo`` of a locally generated corpus: no metadata to fetch from the TFDS bucket."""
+
+    def initialize_from_bucket(self) -> None:
+        return None
 
 
 def resolve_data_dir(data_dir: str | None) -> str | None:

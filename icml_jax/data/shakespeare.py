@@ -154,7 +154,7 @@ class Shakespeare(_tfds_common.LocalBuilder, tfds.core.GeneratorBasedBuilder):
     RELEASE_NOTES = {"1.0.0": "42 works; folio duplicates dropped; split by hash of work id."}
 
     def _info(self) -> tfds.core.DatasetInfo:
-        return tfds.core.DatasetInfo(
+        return _tfds_common.LocalDatasetInfo(
             builder=self,
             description=__doc__,
             features=tfds.features.FeaturesDict(

@@ -193,7 +193,7 @@ class TextFiles(_tfds_common.LocalBuilder, tfds.core.GeneratorBasedBuilder):
     VERSION = tfds.core.Version("1.0.0")
 
     def _info(self) -> tfds.core.DatasetInfo:
-        return tfds.core.DatasetInfo(
+        return _tfds_common.LocalDatasetInfo(
             builder=self,
             description=f"Text corpus from {self.builder_config.path}",
             features=tfds.features.FeaturesDict(

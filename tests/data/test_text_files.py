@@ -35,6 +35,19 @@ def test_txt_folder_one_document_per_file(txt_corpus, make_cfg, tmp_path):
     assert again == splits
 
 
+def test_a_first_build_leaves_nothing_in_the_temp_folder(txt_corpus, make_cfg, tmp_path,
+                                                         monkeypatch):
+    """TFDS makes a tmp*tfds folder for bucket metadata on a builder's first construction and
+    never removes it; our locally generated corpora skip that step (LocalDatasetInfo)."""
+    import tempfile
+    scratch = tmp_path / "system_tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    _all(make_cfg(name="text_files", path=str(txt_corpus), data_dir=str(tmp_path / "tfds")))
+    assert os.listdir(tmp_path / "tfds" / "text_files")  # it was built
+    assert os.listdir(scratch) == []
+
+
 def test_jsonl_rows_and_text_key(jsonl_corpus, make_cfg, tmp_path):
     cfg = make_cfg(name="jsonl", path=str(jsonl_corpus), text_key="body",
                    data_dir=str(tmp_path / "tfds"))
