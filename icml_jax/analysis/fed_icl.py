@@ -92,11 +92,13 @@ def aggregate(answers_KB, method: str = "mean", weights_KB=None):
         w = np.broadcast_to(w.reshape((K,) + (1,) * (a.ndim - 1)) if w.ndim == 1 else w, a.shape)
     if method in ("mean", "weighted"):
         return (w * a).sum(0) / w.sum(0)
-    out = np.empty(a.shape[1:], a.dtype)
-    for b in np.ndindex(*a.shape[1:]):
-        vals, inv = np.unique(a[(slice(None),) + b], return_inverse=True)
-        out[b] = vals[np.argmax(np.bincount(inv, weights=w[(slice(None),) + b]))]
-    return out
+    # each client's answer scores the summed weight of the clients that gave it ([K, K, ...]
+    # comparisons, K small: no loop over queries); the winner is the best-scoring answer, ties
+    # to the smallest. Weights of one answer are added in client order, so equal answers score
+    # exactly alike and a tie between two answers is an exact one.
+    score = np.where(a[:, None] == a[None, :], w[None, :], 0.0).sum(1)
+    top = score == score.max(0, keepdims=True)
+    return np.where(top, a, a.max(0, keepdims=True)).min(0)
 
 
 @dataclasses.dataclass

@@ -53,6 +53,25 @@ def test_aggregation_of_equal_answers_is_unchanged():
     votes = np.array([[1, 2], [1, 2], [2, 5], [3, 5]])
     np.testing.assert_array_equal(fed_icl.aggregate(votes, "vote"), [1, 2])  # majority; tie (2, 5) -> 2
     np.testing.assert_array_equal(fed_icl.aggregate(votes, "vote", np.array([1, 1, 3, 1.0])), [2, 5])
+
+
+def test_vote_equals_a_per_query_count():
+    """The vectorised vote equals counting each query's answers one query at a time (weighted
+    counts, ties to the smallest answer), on random small-alphabet answers with many ties."""
+    rng = np.random.default_rng(0)
+    for K, shape, weighted in ((5, (40,), False), (6, (7, 3), True), (1, (4,), True), (4, (30,), True)):
+        a = rng.integers(-2, 3, (K,) + shape)
+        w = rng.integers(1, 4, (K,) + shape).astype(np.float64) if weighted else None
+        want = np.empty(shape, a.dtype)
+        for b in np.ndindex(*shape):
+            col = a[(slice(None),) + b]
+            wc = np.ones(K) if w is None else w[(slice(None),) + b]
+            totals = {v: wc[col == v].sum() for v in np.unique(col)}
+            best = max(totals.values())
+            want[b] = min(v for v, t in totals.items() if t == best)
+        got = fed_icl.aggregate(a, "vote", w)
+        assert got.dtype == a.dtype
+        np.testing.assert_array_equal(got, want)
     np.testing.assert_allclose(fed_icl.aggregate(np.array([[1.0], [4.0]]), "weighted", np.array([3.0, 1.0])), [1.75])
     with pytest.raises(ValueError, match="fedicl_agg"):
         fed_icl.aggregate(a, "median")
