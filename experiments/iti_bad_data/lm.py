@@ -144,20 +144,27 @@ def encode_rows(tok, texts, length: int | None = None):
 
 
 @functools.lru_cache(maxsize=4)
-def _ce_fn(model_cfg, edits):
+def _ce_fn(model_cfg, static_edits):
+    """The jitted per-token log-probs under ``static_edits`` (``Edits.split``'s static half, or
+    None); the edits' arrays are an argument, so every α of one set of heads shares a program."""
     import jax
 
     from icml_jax.losses.logps import token_logprobs
     from icml_jax.models.decoder import build_model
-    model = build_model(model_cfg, edits=edits)
-    return jax.jit(lambda p, x: token_logprobs(model.apply({"params": p}, x[:, :-1]), x[:, 1:]))
+
+    def fn(p, x, args):
+        edits = None if static_edits is None else static_edits.bind(args)
+        logits = build_model(model_cfg, edits=edits).apply({"params": p}, x[:, :-1])
+        return token_logprobs(logits, x[:, 1:])
+    return jax.jit(fn)
 
 
 def clean_ce(model_cfg, params, tokens, edits=None) -> float:
     """Mean next-byte CE (nats) of equal-length clean rows [N, T] after BOS; ``edits`` must act at
     every position (``iti_edits(..., positions="all")``)."""
     import ml_collections
-    lp = _ce_fn(ml_collections.FrozenConfigDict(model_cfg), edits)(params, tokens)
+    static, args = (None, None) if edits is None else edits.split()
+    lp = _ce_fn(ml_collections.FrozenConfigDict(model_cfg), static)(params, tokens, args)
     return float(-np.asarray(lp).mean())
 
 

@@ -97,3 +97,36 @@ def test_lm_data_pieces():
     tr, va = lm.pair_split(20, seed=0)
     assert len(tr) == 16 and len(va) == 4 and set(tr) | set(va) == set(range(20))
     assert set(tr // 2).isdisjoint(va // 2)  # a pair never straddles the split
+
+
+def test_clean_ce_compiles_once_for_every_alpha_and_equals_the_edited_model():
+    """clean_ce passes the ITI shifts as an argument: two α of one set of heads share one
+    compiled program, and each equals the CE of build_model(cfg, edits=...) itself."""
+    import jax
+    import jax.numpy as jnp
+    from flax.core import meta
+
+    from experiments.iti_bad_data import lm
+    from icml_jax.analysis import iti
+    from icml_jax.config_utils import load_config
+    from icml_jax.losses.logps import token_logprobs
+    from icml_jax.models import build_model
+    m = load_config("configs/lm.py:tiny").model
+    params = meta.unbox(build_model(m).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
+    toks = jnp.asarray(np.random.default_rng(0).integers(3, 250, (3, 17)), jnp.int32)
+    rng = np.random.default_rng(1)
+    dirs = rng.normal(size=(m.num_layers, m.num_heads, m.head_dim)).astype(np.float32)
+    sig = np.ones((m.num_layers, m.num_heads), np.float32)
+    heads = [(0, 1), (1, 3)]
+    before = lm._ce_fn.cache_info().misses
+    got = {a: lm.clean_ce(m, params, toks, iti.iti_edits(m, heads, dirs, sig, a, positions="all"))
+           for a in (2.0, 5.0)}
+    assert lm._ce_fn.cache_info().misses - before == 1
+    for a, ce in got.items():
+        ed = iti.iti_edits(m, heads, dirs, sig, a, positions="all")
+        lp = token_logprobs(build_model(m, edits=ed).apply({"params": params}, toks[:, :-1]), toks[:, 1:])
+        assert ce == pytest.approx(-float(np.asarray(lp).mean()), rel=1e-6)
+    assert got[2.0] != got[5.0]
+    assert lm.clean_ce(m, params, toks) == pytest.approx(
+        -float(np.asarray(token_logprobs(build_model(m).apply({"params": params}, toks[:, :-1]),
+                                         toks[:, 1:])).mean()), rel=1e-6)
