@@ -92,13 +92,19 @@ def aggregate(answers_KB, method: str = "mean", weights_KB=None):
         w = np.broadcast_to(w.reshape((K,) + (1,) * (a.ndim - 1)) if w.ndim == 1 else w, a.shape)
     if method in ("mean", "weighted"):
         return (w * a).sum(0) / w.sum(0)
-    # each client's answer scores the summed weight of the clients that gave it ([K, K, ...]
-    # comparisons, K small: no loop over queries); the winner is the best-scoring answer, ties
-    # to the smallest. Weights of one answer are added in client order, so equal answers score
-    # exactly alike and a tie between two answers is an exact one.
-    score = np.where(a[:, None] == a[None, :], w[None, :], 0.0).sum(1)
+    # Each client's answer scores the summed weight of the clients that gave the same answer
+    # (NaN equals NaN, as np.unique groups them), vectorised over the queries (the loop runs over
+    # the K clients). The weights are added in client order, as np.bincount adds them, so equal
+    # scores are the same ties the per-query count finds. Among the best-scoring answers the
+    # smallest wins (by sort rank: NaN sorts last, as in np.unique; any sortable dtype).
+    nan = np.isnan(a) if a.dtype.kind in "fc" else np.zeros(a.shape, bool)
+    score = np.zeros(a.shape, np.float64)
+    for j in range(K):
+        score += np.where((a == a[j]) | (nan & nan[j]), w[j], 0.0)
     top = score == score.max(0, keepdims=True)
-    return np.where(top, a, a.max(0, keepdims=True)).min(0)
+    rank = np.argsort(np.argsort(a, axis=0, kind="stable"), axis=0, kind="stable")
+    pick = np.argmin(np.where(top, rank, K), axis=0)
+    return np.asarray(np.take_along_axis(a, pick[None], axis=0)[0])
 
 
 @dataclasses.dataclass

@@ -5,8 +5,9 @@ Verified with tensorflow-datasets 4.9.10 and no TensorFlow installed: a
 ``download_and_prepare`` (the plain Python writer; no Beam, no ``tf.io``) and reads back through
 ``builder.as_data_source()`` / ``tfds.data_source``. Two things are needed:
 
-* ``DatasetInfo`` is built directly (``tfds.core.DatasetInfo(builder=self, ...)``) instead of
-  ``dataset_info_from_configs``, which looks for metadata files next to the builder's module.
+* ``DatasetInfo`` is built directly (``LocalDatasetInfo(builder=self, ...)``, a
+  ``tfds.core.DatasetInfo``) instead of ``dataset_info_from_configs``, which looks for metadata
+  files next to the builder's module.
 * ``code_path`` is overridden (``LocalBuilder``): TFDS 4.9.10's default implementation touches
   ``importlib_resources.abc``, a backport that TFDS only declares for Python < 3.9, so preparing a
   builder defined inside a package fails with ``ModuleNotFoundError: importlib_resources`` on 3.11.

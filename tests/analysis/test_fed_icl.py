@@ -53,28 +53,47 @@ def test_aggregation_of_equal_answers_is_unchanged():
     votes = np.array([[1, 2], [1, 2], [2, 5], [3, 5]])
     np.testing.assert_array_equal(fed_icl.aggregate(votes, "vote"), [1, 2])  # majority; tie (2, 5) -> 2
     np.testing.assert_array_equal(fed_icl.aggregate(votes, "vote", np.array([1, 1, 3, 1.0])), [2, 5])
+    np.testing.assert_allclose(fed_icl.aggregate(np.array([[1.0], [4.0]]), "weighted", np.array([3.0, 1.0])), [1.75])
+    with pytest.raises(ValueError, match="fedicl_agg"):
+        fed_icl.aggregate(a, "median")
+
+
+def _vote_per_query(a, w=None):
+    """The vote one query at a time: weighted counts of np.unique's values (NaNs grouped, sorted
+    last), the first of the best in sorted order."""
+    a = np.asarray(a)
+    K = a.shape[0]
+    w = np.ones(a.shape) if w is None else np.broadcast_to(
+        np.asarray(w, np.float64).reshape((K,) + (1,) * (a.ndim - 1)) if np.ndim(w) == 1 else w, a.shape)
+    out = np.empty(a.shape[1:], a.dtype)
+    for b in np.ndindex(*a.shape[1:]):
+        vals, inv = np.unique(a[(slice(None),) + b], return_inverse=True)
+        out[b] = vals[np.argmax(np.bincount(inv.reshape(-1), weights=w[(slice(None),) + b]))]
+    return out
 
 
 def test_vote_equals_a_per_query_count():
     """The vectorised vote equals counting each query's answers one query at a time (weighted
-    counts, ties to the smallest answer), on random small-alphabet answers with many ties."""
+    counts, ties to the smallest answer): random small-alphabet answers with many ties, integer
+    and float answers, NaN answers, fractional weights of shape [K] or [K, B] (K up to 12, where
+    the order the weights are added in decides near-ties), strings, K = 1, a 1-D input."""
     rng = np.random.default_rng(0)
-    for K, shape, weighted in ((5, (40,), False), (6, (7, 3), True), (1, (4,), True), (4, (30,), True)):
-        a = rng.integers(-2, 3, (K,) + shape)
-        w = rng.integers(1, 4, (K,) + shape).astype(np.float64) if weighted else None
-        want = np.empty(shape, a.dtype)
-        for b in np.ndindex(*shape):
-            col = a[(slice(None),) + b]
-            wc = np.ones(K) if w is None else w[(slice(None),) + b]
-            totals = {v: wc[col == v].sum() for v in np.unique(col)}
-            best = max(totals.values())
-            want[b] = min(v for v, t in totals.items() if t == best)
-        got = fed_icl.aggregate(a, "vote", w)
-        assert got.dtype == a.dtype
+    cases = []
+    for K, shape in ((5, (40,)), (6, (7, 3)), (1, (4,)), (12, (300,)), (9, (200, 1))):
+        ints = rng.integers(-2, 3, (K,) + shape)
+        floats = np.where(rng.random(ints.shape) < 0.15, np.nan, ints / 2.0)
+        for a in (ints, floats):
+            cases += [(a, None), (a, rng.choice([0.1, 1 / 3, 0.7, 1.0], (K,) + shape)),
+                      (a, rng.choice([0.1, 1 / 3, 0.2], K))]
+    strings = np.array([["b", "a"], ["a", "c"], ["b", "c"], ["a", "a"]])
+    cases += [(strings, None), (strings, np.array([1.0, 1.0, 2.0, 0.5])), (np.array([2.0, np.nan, 1.0]), None),
+              (np.array([[1.0], [np.nan], [np.nan]]), None), (np.array([[1.0], [1.0], [np.nan]]), None)]
+    for a, w in cases:
+        got, want = fed_icl.aggregate(a, "vote", w), _vote_per_query(a, w)
+        assert got.dtype == a.dtype and got.shape == want.shape
         np.testing.assert_array_equal(got, want)
-    np.testing.assert_allclose(fed_icl.aggregate(np.array([[1.0], [4.0]]), "weighted", np.array([3.0, 1.0])), [1.75])
-    with pytest.raises(ValueError, match="fedicl_agg"):
-        fed_icl.aggregate(a, "median")
+    assert np.isnan(fed_icl.aggregate(np.array([[1.0], [np.nan], [np.nan]]), "vote")[0])
+    assert fed_icl.aggregate(np.array([[1.0], [1.0], [np.nan]]), "vote")[0] == 1.0
 
 
 def test_a_round_that_changes_nothing_is_a_fixed_point():
