@@ -5,7 +5,10 @@ Run (``make bench``):
 
 What it measures, on this machine, in one run:
   * ``matmul``: the dense fp32 GEMM GFLOP/s jax and torch reach (2048^3 and the model's own
-    shapes); the best of all is the "peak" that MFU is measured against.
+    shapes); the best of all is the "peak" that MFU is measured against. Also the attention
+    core's batched matmuls (``BMM_SHAPES``), and jax's again under each of ``BMM_FLAG_VARIANTS``
+    (other XLA:CPU dot back ends and schedulers) and split into independent dots
+    (``--skip_bmm_variants`` leaves those out).
   * ``ours``: tokens/s of the trainer's step (``make_train_step`` + ``create_sharded_state`` +
     ``LMTask.loss`` + the config's AdamW, donated state) on a synthetic batch, with the XLA CPU
     flags in ``RECOMMENDED_XLA_FLAGS`` and, for comparison, with jax's default flags.
@@ -56,6 +59,18 @@ MATMUL_SHAPES = ((2048, 2048, 2048), (4096, 256, 704), (4096, 512, 1408), (4096,
 # batched matmuls (batch, M, K, N) of the attention core's shape on `20m` (B·G = 32 matrices of a
 # 64-query block's 2 heads x 64 dims against 256 keys): reported beside the peak, not part of it
 BMM_SHAPES = ((32, 128, 64, 256), (32, 128, 256, 64))
+# the batched matmuls again under other XLA:CPU settings (each in its own process: XLA_FLAGS are
+# read once), and split into 2 independent dots over the batch (which the thunk executor could
+# run on both cores at once): whether any of them gets the batched dot off one core
+BMM_FLAG_VARIANTS = {
+    "concurrency-optimized scheduler": "--xla_cpu_enable_concurrency_optimized_scheduler=true",
+    "oneDNN": "--xla_cpu_use_onednn=true",
+    "oneDNN custom call": "--xla_cpu_experimental_onednn_custom_call=true",
+    "XNNPACK": "--xla_cpu_use_xnnpack=true",
+    "XNN dot fusion": "--xla_cpu_experimental_xnn_fusion_type=LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT",
+    "YNN dot fusion": "--xla_cpu_experimental_ynn_fusion_type=LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT",
+}
+BMM_SPLIT = 2
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -124,34 +139,45 @@ def _synthetic_tokens(batch: int, seq_len: int, vocab: int, seed: int = 0):
 
 # ----------------------------------------------------------------------------- children
 
-def _matmul_cases():
+def _matmul_cases(bmm_only: bool = False):
     """(report key, shape of a, shape of b, FLOPs) per case: the 2-D ``MATMUL_SHAPES`` under
-    "gflops" (the peak) and the batched ``BMM_SHAPES`` under "bmm_gflops"."""
-    for m, k, n in MATMUL_SHAPES:
+    "gflops" (the peak; not with ``bmm_only``) and the batched ``BMM_SHAPES`` under "bmm_gflops"."""
+    for m, k, n in () if bmm_only else MATMUL_SHAPES:
         yield "gflops", f"{m}x{k}x{n}", (m, k), (k, n), 2 * m * k * n
     for nb, m, k, n in BMM_SHAPES:
         yield "bmm_gflops", f"{nb}x({m}x{k}x{n})", (nb, m, k), (nb, k, n), 2 * nb * m * k * n
 
 
-def _time_matmuls(make, run, reps: int) -> dict:
+def _time_matmuls(make, run, reps: int, bmm_only: bool = False) -> dict:
     """GFLOP/s per case of :func:`_matmul_cases`: ``make(shape, seed)`` builds an operand,
     ``run(a, b)`` multiplies and waits; best of ``reps`` after one warm-up call."""
     out = {"gflops": {}, "bmm_gflops": {}}
-    for key, name, sa, sb, flops in _matmul_cases():
+    for key, name, sa, sb, flops in _matmul_cases(bmm_only):
         a, b = make(sa, 0), make(sb, 1)
         run(a, b)
         out[key][name] = flops / min(time_calls(lambda: run(a, b), reps)) / 1e9
     return out
 
 
+def split_matmul(a, b, parts: int):
+    """``a @ b`` for batched [n, M, K] x [n, K, N] as ``parts`` independent dots over n (n
+    divisible by ``parts``), concatenated."""
+    import jax.numpy as jnp
+    h = a.shape[0] // parts
+    return jnp.concatenate([jnp.matmul(a[i * h:(i + 1) * h], b[i * h:(i + 1) * h]) for i in range(parts)])
+
+
 def child_matmul_jax(spec: dict) -> dict:
+    """The jitted matmuls' GFLOP/s; ``bmm_only``: the batched ones only; ``split``: each batched
+    matmul as that many independent dots (:func:`split_matmul`)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
-    f = jax.jit(jnp.matmul)
+    split = spec.get("split", 1)
+    f = jax.jit(jnp.matmul if split == 1 else (lambda a, b: split_matmul(a, b, split)))
     out = _time_matmuls(lambda shape, seed: jnp.asarray(
         np.random.default_rng(seed).standard_normal(shape, np.float32)),
-        lambda a, b: f(a, b).block_until_ready(), spec["reps"])
+        lambda a, b: f(a, b).block_until_ready(), spec["reps"], spec.get("bmm_only", False))
     return {**out, "jax_version": jax.__version__}
 
 
@@ -423,6 +449,17 @@ def markdown(res: dict) -> str:
                   "| shape | jax | torch |", "|---|---|---|"]
         for shape in jb.keys() | tb.keys():
             lines.append(f"| {shape} | {jb.get(shape, float('nan')):,.0f} | {tb.get(shape, float('nan')):,.0f} |")
+    variants = res["matmul"].get("bmm_variants", {})
+    if variants:
+        shapes = list(jb) or [s for v in variants.values() for s in v.get("bmm_gflops", {})][:len(BMM_SHAPES)]
+        lines += ["", "The batched matmuls of jax under other XLA:CPU settings (GFLOP/s; each row its own "
+                  "process, our flags plus the row's; `split into N dots`: each batched matmul as N "
+                  "independent dots over the batch, concatenated):", "",
+                  "| variant | " + " | ".join(shapes) + " |", "|---|" + "---|" * len(shapes)]
+        for name, r in variants.items():
+            g = r.get("bmm_gflops", {})
+            cells = [f"{g[s]:,.0f}" if s in g else "error" for s in shapes]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += ["", "Notes: step time is the minimum over the timed steps after a warm-up step "
               "(the machine may be shared, see the load average; the median is in the JSON). "
               "Peak memory: XLA step = `compiled.memory_analysis()` arguments + outputs − aliased + "
@@ -457,6 +494,8 @@ def parse_args(argv):
     p.add_argument("--skip_eager", action="store_true", help="do not time torch eager attention")
     p.add_argument("--skip_torch", action="store_true")
     p.add_argument("--skip_ab", action="store_true", help="do not time the AB_VARIANTS of our step")
+    p.add_argument("--skip_bmm_variants", action="store_true",
+                   help="do not time the batched matmuls under BMM_FLAG_VARIANTS and split")
     p.add_argument("--out", default=RESULTS_DIR)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -485,6 +524,14 @@ def main(argv=None) -> dict:
         res["matmul"]["torch"] = run_child({"kind": "matmul_torch", "reps": args.matmul_reps,
                                             "threads": threads})
         log(f"torch matmul: {res['matmul']['torch'].get('gflops', res['matmul']['torch'])}")
+    if not args.skip_bmm_variants:
+        bmm = {"kind": "matmul_jax", "reps": args.matmul_reps, "bmm_only": True}
+        runs = [(name, bmm, f"{ours_flags} {flag}") for name, flag in BMM_FLAG_VARIANTS.items()]
+        runs.append((f"split into {BMM_SPLIT} dots", {**bmm, "split": BMM_SPLIT}, ours_flags))
+        v = res["matmul"]["bmm_variants"] = {}
+        for name, spec, flags in runs:
+            v[name] = run_child(spec, flags)
+            log(f"batched matmul, {name}: {v[name].get('bmm_gflops', v[name])}")
     for preset in [p for p in args.presets.split(",") if p]:
         config = _preset_config(preset)
         B = int(batches.get(preset, config.train.batch_size))
