@@ -22,7 +22,8 @@ recomputes nothing and a killed run resumes:
    beta = 0.05) on the pairs of all ``responses`` samples, in ``DIR/prm_<name>``. The upper
    bound: a **step-label PRM** (``configs/step_prm.py``, TRL's PRMTrainer recipe) on the same
    samples with the checker's step labels (``DIR/steps.jsonl``; the last step also needs the
-   right answer), from the generator with the CE schedule, in ``DIR/prm_steps``; the only stage
+   right answer), from the generator with the CE schedule or the preset's ``step_prm`` override
+   of it (``easy``: 300 steps at lr 1e-3), in ``DIR/prm_steps``; the only stage
    that sees a step label.
 4. **Evaluation samples.** ``eval_samples`` samples (T = 1.0) per held-out problem; the checker
    gives the answer, its correctness and the true first error (evaluation only).

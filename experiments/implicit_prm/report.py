@@ -5,14 +5,24 @@ import os
 
 import numpy as np
 
-from experiments.common import (git_commit, markdown_table, mean_spread, pm, save_figure,
-                                write_atomic, write_csv)
+from experiments.common import (git_commit, markdown_table, mean_spread, pm, run_overrides,
+                                save_figure, write_atomic, write_csv)
 from experiments.implicit_prm.presets import ACCURACY_GATE
 from experiments.implicit_prm.stages import STEP_PRM
 
 # ----------------------------------------------------------------------------- aggregation
-# (host-side, from the cached scores: recomputed on every run, in seconds)
 
+def _step_prm_schedule(exp) -> str:
+    """How the step-label PRM was trained: the CE PRMs' schedule, or the preset's ``step_prm``
+    override of it (as ``stages.prm_config`` applies it)."""
+    if not exp.get("step_prm"):
+        return "with the CE schedule"
+    t = {**run_overrides(exp["prm"]), **run_overrides(exp["step_prm"])}
+    return (f"with its own schedule ({t['train.steps']} steps × {t['train.batch_size']}, "
+            f"lr {t['train.lr']:g})")
+
+
+# (host-side, from the cached scores: recomputed on every run, in seconds)
 def selector_scores(q_raw, M, kappa):
     """Per-response scores [B] of every PRM selector from the raw prefix sums [B, K]."""
     from icml_jax.losses import implicit_prm as ip
@@ -446,8 +456,8 @@ def write_outputs(workdir, exp, preset, argv, runs, seconds):
           f"({exp['dpo_steps']} steps × {prm.batch_size} pairs)."
           + (f" Upper bound: a step-label PRM (TRL's PRMTrainer recipe, task `step_prm`) on the "
              f"same {exp['responses']} samples per training problem with the checker's step "
-             "labels (the last step also needs the right answer), from the generator, with the "
-             "CE schedule." if STEP_PRM in prm_names else "") +
+             "labels (the last step also needs the right answer), from the generator, "
+             + _step_prm_schedule(exp) + "." if STEP_PRM in prm_names else "") +
           f" Evaluation: {exp['eval_samples']} samples per held-out problem for "
           f"{exp['test_problems']} problems; per-sample accuracy {per('eval_accuracy')}, all steps "
           f"correct {per('eval_all_steps_correct')}. Best-of-N is averaged over {exp['orders']} "

@@ -43,6 +43,10 @@ def test_presets_record_keeps_the_stored_layout():
                                             "train.lr": 2e-3, "train.eval_every": 1000,
                                             "train.checkpoint_every": 500}
     assert "generator_continue" not in record(PRESETS["tiny"])
+    # results.md names the step-label PRM's schedule: easy overrides the CE one
+    from experiments.implicit_prm.report import _step_prm_schedule
+    assert _step_prm_schedule(PRESETS["tiny"]) == "with the CE schedule"
+    assert _step_prm_schedule(PRESETS["easy"]) == "with its own schedule (300 steps × 16, lr 0.001)"
 
 
 @pytest.mark.xdist_group("implicit_prm_tiny_run")
