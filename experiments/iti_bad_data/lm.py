@@ -152,7 +152,7 @@ def _ce_fn(model_cfg, static_edits):
     from icml_jax.losses.logps import token_logprobs
     from icml_jax.models.decoder import build_model
 
-    def fn(p, x, args):
+    def fn(p, x, args=None):  # args: the edits' arrays (None: no edits)
         edits = None if static_edits is None else static_edits.bind(args)
         logits = build_model(model_cfg, edits=edits).apply({"params": p}, x[:, :-1])
         return token_logprobs(logits, x[:, 1:])
