@@ -46,7 +46,7 @@ EXTRAS = {
     # to the CPU wheel that ships on the development machine (an unpinned torch is a CUDA build).
     "interop": ["torch>=2.13.0", "transformers>=5.23.0,<6", "safetensors>=0.8.0",
                 "tokenizers>=0.23.3"],
-    # EleutherAI's lm-evaluation-harness for icml_jax/interop/lm_eval_adapter.py: it pulls in about
+    # EleutherAI's lm-evaluation-harness for icml_jax/lm_eval_adapter.py: it pulls in about
     # 40 packages (datasets, evaluate, pandas, scikit-learn, nltk, sacrebleu, ...) that nothing else
     # needs, so `make test` does not install it (the adapter's tests use a stand-in of its request
     # interface); docs/evaluation.md

@@ -1,4 +1,4 @@
-"""Small name -> object registries: choices are data (see DESIGN.md)."""
+"""Small name -> object registries: choices are data (see docs/architecture.md)."""
 from typing import Any, Callable, Dict
 
 
