@@ -451,7 +451,7 @@ def markdown(res: dict) -> str:
             lines.append(f"| {shape} | {jb.get(shape, float('nan')):,.0f} | {tb.get(shape, float('nan')):,.0f} |")
     variants = res["matmul"].get("bmm_variants", {})
     if variants:
-        shapes = list(jb) or [s for v in variants.values() for s in v.get("bmm_gflops", {})][:len(BMM_SHAPES)]
+        shapes = [name for _, name, *_ in _matmul_cases(bmm_only=True)]
         lines += ["", "The batched matmuls of jax under other XLA:CPU settings (GFLOP/s; each row its own "
                   "process, our flags plus the row's; `split into N dots`: each batched matmul as N "
                   "independent dots over the batch, concatenated):", "",

@@ -5,21 +5,17 @@ import os
 
 import numpy as np
 
-from experiments.common import (git_commit, markdown_table, mean_spread, pm, run_overrides,
-                                save_figure, write_atomic, write_csv)
+from experiments.common import (git_commit, markdown_table, mean_spread, pm, save_figure,
+                                write_atomic, write_csv)
 from experiments.implicit_prm.presets import ACCURACY_GATE
 from experiments.implicit_prm.stages import STEP_PRM
 
 # ----------------------------------------------------------------------------- aggregation
 
-def _step_prm_schedule(exp) -> str:
-    """How the step-label PRM was trained: the CE PRMs' schedule, or the preset's ``step_prm``
-    override of it (as ``stages.prm_config`` applies it)."""
-    if not exp.get("step_prm"):
-        return "with the CE schedule"
-    t = {**run_overrides(exp["prm"]), **run_overrides(exp["step_prm"])}
-    return (f"with its own schedule ({t['train.steps']} steps × {t['train.batch_size']}, "
-            f"lr {t['train.lr']:g})")
+def _schedule(run_config: dict) -> str:
+    """A trained run's schedule as results.md states it, from its stored config."""
+    t = run_config["train"]
+    return f"{t['steps']} steps × {t['batch_size']}, lr {t['lr']:g}"
 
 
 # (host-side, from the cached scores: recomputed on every run, in seconds)
@@ -457,7 +453,7 @@ def write_outputs(workdir, exp, preset, argv, runs, seconds):
           + (f" Upper bound: a step-label PRM (TRL's PRMTrainer recipe, task `step_prm`) on the "
              f"same {exp['responses']} samples per training problem with the checker's step "
              "labels (the last step also needs the right answer), from the generator, "
-             + _step_prm_schedule(exp) + "." if STEP_PRM in prm_names else "") +
+             f"{_schedule(info['prm_configs'][STEP_PRM])}." if STEP_PRM in prm_names else "") +
           f" Evaluation: {exp['eval_samples']} samples per held-out problem for "
           f"{exp['test_problems']} problems; per-sample accuracy {per('eval_accuracy')}, all steps "
           f"correct {per('eval_all_steps_correct')}. Best-of-N is averaged over {exp['orders']} "

@@ -43,10 +43,6 @@ def test_presets_record_keeps_the_stored_layout():
                                             "train.lr": 2e-3, "train.eval_every": 1000,
                                             "train.checkpoint_every": 500}
     assert "generator_continue" not in record(PRESETS["tiny"])
-    # results.md names the step-label PRM's schedule: easy overrides the CE one
-    from experiments.implicit_prm.report import _step_prm_schedule
-    assert _step_prm_schedule(PRESETS["tiny"]) == "with the CE schedule"
-    assert _step_prm_schedule(PRESETS["easy"]) == "with its own schedule (300 steps × 16, lr 0.001)"
 
 
 @pytest.mark.xdist_group("implicit_prm_tiny_run")
@@ -150,6 +146,9 @@ def test_implicit_prm_tiny(implicit_prm_tiny_run, session_tfds_dir, monkeypatch)
     for s in ("## Best-of-N accuracy", "## First-error detection", "## Reading", "commit ",
               "| selector | N=1 |", "| PRM | F1 |", "## Length of the selected response"):
         assert s in md, s
+    # the step-label PRM's schedule as that run stored it (its own config.json)
+    t = json.load(open(os.path.join(wd, "prm_steps", "config.json")))["train"]
+    assert f"from the generator, {t['steps']} steps × {t['batch_size']}, lr {t['lr']:g}." in md
     # the gate's accuracy and the right / wrong samples' lengths, from the checker directly
     test_problems = ar.make_splits(exp["seed"], exp["gen_problems"], exp["test_problems"],
                                    **exp["knobs"])[1]

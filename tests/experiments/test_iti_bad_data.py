@@ -104,6 +104,7 @@ def test_clean_ce_compiles_once_for_every_alpha_and_equals_the_edited_model():
     compiled program, and each equals the CE of build_model(cfg, edits=...) itself."""
     import jax
     import jax.numpy as jnp
+    import ml_collections
     from flax.core import meta
 
     from experiments.iti_bad_data import lm
@@ -122,6 +123,8 @@ def test_clean_ce_compiles_once_for_every_alpha_and_equals_the_edited_model():
     got = {a: lm.clean_ce(m, params, toks, iti.iti_edits(m, heads, dirs, sig, a, positions="all"))
            for a in (2.0, 5.0)}
     assert lm._ce_fn.cache_info().misses - before == 1
+    static, _ = iti.iti_edits(m, heads, dirs, sig, 2.0, positions="all").split()
+    assert lm._ce_fn(ml_collections.FrozenConfigDict(m), static)._cache_size() == 1  # one trace
     for a, ce in got.items():
         ed = iti.iti_edits(m, heads, dirs, sig, a, positions="all")
         lp = token_logprobs(build_model(m, edits=ed).apply({"params": params}, toks[:, :-1]), toks[:, 1:])

@@ -25,7 +25,7 @@ NOTEBOOKS = sorted(glob.glob(os.path.join(REPO_ROOT, "notebooks", "*.ipynb")))
 def _fope(run, work):
     shutil.copytree(run, os.path.join(work, "exp"), symlinks=True)
     # the experiment test's run is the tiny preset's default seeds (the notebook's default is 0)
-    return os.path.join(work, "exp"), {"ICML_JAX_SEEDS": "0,1"}
+    return os.path.join(work, "exp"), {"ICML_JAX_SEEDS": ",".join(map(str, _FOPE_TINY.seeds))}
 
 
 def _implicit_prm(run, work):
