@@ -24,7 +24,10 @@ def median_time(fn, n: int) -> float:
 
 
 def write_report(out_dir: str, name: str, result: dict, markdown: str) -> None:
-    """``out_dir/name.json`` (the raw result) and ``out_dir/name.md`` (the report), each atomic."""
+    """``out_dir/name.json`` (the raw result) and ``out_dir/name.md`` (the report), each atomic.
+    The JSON also records this process's ``GLIBC_TUNABLES`` (malloc's huge pages, set by the
+    entry points' restart: ``icml_jax.xla_env.restart_with_hugepages``) unless the result has it."""
     import json
+    result = {**result, "glibc_tunables": result.get("glibc_tunables", os.environ.get("GLIBC_TUNABLES", ""))}
     write_atomic(os.path.join(out_dir, f"{name}.json"), json.dumps(result, indent=2) + "\n")
     write_atomic(os.path.join(out_dir, f"{name}.md"), markdown)

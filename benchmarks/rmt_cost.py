@@ -139,7 +139,8 @@ def run(steps: int, rounds: int, batch: int, seq_len: int) -> dict:
     res = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                        "loadavg": os.getloadavg(), "jax": jax.__version__,
-                       "xla_flags": os.environ.get("XLA_FLAGS", "")},
+                       "xla_flags": os.environ.get("XLA_FLAGS", ""),
+                       "glibc_tunables": os.environ.get("GLIBC_TUNABLES", "")},
            "batch": batch, "seq_len": seq_len, "steps_per_round": steps, "rounds": rounds,
            "target_gap": TARGET_GAP, "models": {}}
     for n in names:
@@ -197,7 +198,8 @@ def markdown(res: dict) -> str:
     lines = ["# RMT vs transformer train-step cost", "",
              f"`python -m benchmarks.rmt_cost` on {res['date']}; {res['machine']['cpus']} CPUs, load "
              f"average {res['machine']['loadavg'][0]:.1f} at the end, jax {res['machine']['jax']}, "
-             f"XLA_FLAGS=`{res['machine']['xla_flags']}`.", "",
+             f"XLA_FLAGS=`{res['machine']['xla_flags']}`, GLIBC_TUNABLES="
+             f"`{res['machine'].get('glibc_tunables') or '(none)'}`.", "",
              f"Batch {res['batch']} × seq {res['seq_len']}, fp32; {res['rounds']} interleaved rounds × "
              f"{res['steps_per_round']} steps per model (order reversed every other round); the trainer's "
              "jitted, donated step with its optimiser.", "",

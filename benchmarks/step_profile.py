@@ -149,7 +149,8 @@ def profile(preset: str, batch: int, steps: int) -> dict:
 def markdown(res) -> str:
     lines = ["# Train step profile by op class (XLA CPU thunks)", "",
              f"`python -m benchmarks.step_profile` on {res['date']}: {res['machine']}, jax {res['jax']}, "
-             f"XLA_FLAGS=`{res['xla_flags']}`, load average {res['loadavg']:.2f} before the run. One "
+             f"XLA_FLAGS=`{res['xla_flags']}`, GLIBC_TUNABLES=`{res.get('glibc_tunables') or '(none)'}`, "
+             f"load average {res['loadavg']:.2f} before the run. One "
              "trace per preset (host tracer level 3); seconds per step summed over worker threads.", "",
              "| op class | " + " | ".join(f"`{r['preset']}` s/step (share)" for r in res["runs"]) + " |",
              "|---|" + "---:|" * len(res["runs"])]
@@ -189,6 +190,7 @@ def main(argv=None):
     res = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "cores": os.cpu_count(), "jax": jax.__version__,
            "xla_flags": os.environ.get("XLA_FLAGS", ""), "loadavg": os.getloadavg()[0],
+           "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
            "runs": [profile(pr, int(batches.get(pr, 8)), a.steps) for pr in a.presets.split(",") if pr]}
     md = markdown(res)
     write_report(a.out_dir, "step_profile", res, md)

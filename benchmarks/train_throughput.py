@@ -112,11 +112,13 @@ def _trim(spec: dict) -> None:
 def _steady_peak(run, steps: int, rss0) -> tuple:
     """Times ``steps`` calls of ``run`` with the RSS high-water mark reset before them: (times,
     peak RSS during the timed steps minus ``rss0``, the RSS before the model was built; None
-    where the kernel does not allow the reset)."""
+    where the kernel does not allow the reset; the process's minor page faults per timed step)."""
     reset = _reset_peak_rss()
+    faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     times = time_calls(run, steps)
+    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0) / max(steps, 1)
     hwm = _status_kib("VmHWM")
-    return times, (hwm - rss0 if reset and hwm is not None and rss0 is not None else None)
+    return times, (hwm - rss0 if reset and hwm is not None and rss0 is not None else None), faults
 
 
 
@@ -252,14 +254,15 @@ def child_ours(spec: dict) -> dict:
 
     run()  # warm-up step (allocations, thread pools)
     _trim(spec)
-    times, steady = _steady_peak(run, spec["steps"], rss0_now)
+    times, steady, faults = _steady_peak(run, spec["steps"], rss0_now)
     n_params = sum(x.size for x in jax.tree.leaves(box["state"].params))
     out = _timing(times, B * T, train_flops_per_token(config.model, T))
     out.update(compile_s=compile_s, params=int(n_params), params_formula=param_count(config.model),
                loss=float(box["metrics"]["loss"]), rss_growth_bytes=_maxrss_bytes() - rss0,
                steady_peak_bytes=steady, model_overrides=spec.get("model_overrides", {}),
                with_tokenizer=with_tokenizer, jax_version=jax.__version__,
-               xla_flags=os.environ.get("XLA_FLAGS", ""))
+               xla_flags=os.environ.get("XLA_FLAGS", ""), page_faults_per_step=faults,
+               glibc_tunables=os.environ.get("GLIBC_TUNABLES", ""))
     if mem is not None:
         out["xla_step_bytes"] = int(mem.argument_size_in_bytes + mem.output_size_in_bytes
                                     - mem.alias_size_in_bytes + mem.temp_size_in_bytes)
@@ -313,9 +316,10 @@ def child_torch(spec: dict) -> dict:
     run()
     run()
     _trim(spec)
-    times, steady = _steady_peak(run, spec["steps"], rss0_now)
+    times, steady, faults = _steady_peak(run, spec["steps"], rss0_now)
     out = _timing(times, B * T, train_flops_per_token(config.model, T))
     out.update(params=int(sum(p.numel() for p in params)), loss=box["loss"],
+               page_faults_per_step=faults, glibc_tunables=os.environ.get("GLIBC_TUNABLES", ""),
                rss_growth_bytes=_maxrss_bytes() - rss0, steady_peak_bytes=steady, torch_version=torch.__version__,
                transformers_version=transformers.__version__, threads=torch.get_num_threads())
     return out
@@ -325,11 +329,30 @@ CHILDREN = {"matmul_jax": child_matmul_jax, "matmul_torch": child_matmul_torch, 
             "torch": child_torch}
 
 
-def run_child(spec: dict, xla_flags: str | None = None, timeout: float = 600.0) -> dict:
-    """Runs one measurement in a fresh interpreter; returns its result dict (or an error)."""
-    env = dict(os.environ)
+def child_environ(environ, xla_flags: str | None = None, hugepages: bool | None = None) -> dict:
+    """A child's environment: ``environ`` with ``XLA_FLAGS`` set (unless None) and malloc's huge
+    pages (``xla_env.HUGEPAGE_TUNABLE`` in ``GLIBC_TUNABLES``) as our entry points choose them
+    (``True``: ``xla_env.hugepage_environ``'s rule, which the CLI's restart applies), removed
+    (``False``) or as inherited (None)."""
+    env = dict(environ)
     if xla_flags is not None:
         env["XLA_FLAGS"] = xla_flags
+    if hugepages is not None:
+        name = xla_env.HUGEPAGE_TUNABLE.split("=", 1)[0]
+        kept = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t and t.split("=", 1)[0] != name]
+        env.pop("GLIBC_TUNABLES", None)
+        if kept:
+            env["GLIBC_TUNABLES"] = ":".join(kept)
+        if hugepages:
+            env = xla_env.hugepage_environ(env) or env
+    return env
+
+
+def run_child(spec: dict, xla_flags: str | None = None, timeout: float = 600.0,
+              hugepages: bool | None = None) -> dict:
+    """Runs one measurement in a fresh interpreter (environment: :func:`child_environ`); returns
+    its result dict (or an error)."""
+    env = child_environ(os.environ, xla_flags, hugepages)
     cmd = [sys.executable, "-m", "benchmarks.train_throughput", "--child", json.dumps(spec)]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     t0 = time.perf_counter()
@@ -361,6 +384,18 @@ def machine_info() -> dict:
 
 def _fmt_load(load) -> str:
     return "/".join(f"{x:.2f}" for x in load)
+
+
+def _fmt_count(x):
+    return "" if x is None else f"{x:,.0f}"
+
+
+def _hugepages_cell(r: dict) -> str:
+    if "glibc_tunables" not in r:
+        return ""
+    name = xla_env.HUGEPAGE_TUNABLE.split("=", 1)[0]
+    return "yes" if any(t == xla_env.HUGEPAGE_TUNABLE for t in r["glibc_tunables"].split(":")) else (
+        "no" if name not in r["glibc_tunables"] else r["glibc_tunables"])
 
 
 def _fmt_mb(x):
@@ -426,17 +461,19 @@ def markdown(res: dict) -> str:
             f"{_fmt_mb(o.get('xla_step_bytes'))} / {_fmt_mb(o.get('steady_peak_bytes'))} / "
             f"{_fmt_mb(o.get('rss_growth_bytes'))} | {_fmt_mb(t.get('steady_peak_bytes'))} / "
             f"{_fmt_mb(t.get('rss_growth_bytes'))} |")
-    lines += ["", "Other variants (tokens/s, step time min / median, steady RSS):", "",
-              "| preset | variant | tok/s | step min | step median | TFLOP/s | MFU | steady RSS |",
-              "|---|---|---|---|---|---|---|---|"]
+    lines += ["", "Other variants (tokens/s, step time min / median, steady RSS, minor page faults per "
+              "timed step, whether malloc asked for huge pages):", "",
+              "| preset | variant | tok/s | step min | step median | TFLOP/s | MFU | steady RSS | faults/step "
+              "| huge pages |", "|---|---|---|---|---|---|---|---|---|---|"]
     for preset, row in res["presets"].items():
         for key, r in row.items():
             if isinstance(r, dict) and "tokens_per_s" in r:
                 lines.append(f"| {preset} | {key} | {r['tokens_per_s']:,.0f} | {r['step_s_min'] * 1e3:,.0f} ms"
                              f" | {r['step_s_median'] * 1e3:,.0f} ms | {r['model_tflops_per_s']:.3f} | "
-                             f"{r.get('mfu_vs_measured_peak', 0):.0%} | {_fmt_mb(r.get('steady_peak_bytes'))} |")
+                             f"{r.get('mfu_vs_measured_peak', 0):.0%} | {_fmt_mb(r.get('steady_peak_bytes'))} | "
+                             f"{_fmt_count(r.get('page_faults_per_step'))} | {_hugepages_cell(r)} |")
             elif isinstance(r, dict) and "error" in r:
-                lines.append(f"| {preset} | {key} | error | {str(r['error'])[-120:]!r} | | | | |")
+                lines.append(f"| {preset} | {key} | error | {str(r['error'])[-120:]!r} | | | | | | |")
     lines += ["", "Dense fp32 matmul (GFLOP/s, best of the repetitions; M×K×N):", "",
               "| shape | jax | torch |", "|---|---|---|"]
     jg, tg = res["matmul"].get("jax", {}).get("gflops", {}), res["matmul"].get("torch", {}).get("gflops", {})
@@ -472,6 +509,13 @@ def markdown(res: dict) -> str:
               "OS after the warm-up (`xla_env.release_host_memory`, glibc `malloc_trim(0)`, which our "
               "train loop calls after its first step); the `*_no_trim` rows skip it. "
               f"A/B rows: {', '.join(f'`{k}` = ours with config.model {v}' for k, v in AB_VARIANTS.items())}. "
+              f"Huge pages: `ours` runs with `GLIBC_TUNABLES={xla_env.HUGEPAGE_TUNABLE}` where our entry "
+              "points restart with it (`xla_env.restart_with_hugepages`: glibc >= 2.35, kernel THP mode "
+              "`madvise`; here: "
+              f"{'yes' if res.get('hugepages', {}).get('applies') else 'no'}), so that the step's large "
+              "temporary buffer, which XLA allocates afresh each step, is faulted in as 2 MiB pages; "
+              "`ours_no_hugepages` without it; torch rows run without it, as its users run it, and "
+              "`torch_sdpa_hugepages` with it (the control). "
               "`ours_default_flags` = the same step under jax's default XLA flags; `ours_vector256` "
               f"(on CPUs with AVX-512) = ours without `{xla_env.VECTOR_FLAG}`. Torch: "
               "`LlamaForCausalLM` fp32, AdamW (decay on matrices only, like ours) + grad-norm clip, "
@@ -518,11 +562,16 @@ def main(argv=None) -> dict:
            "argv": argv, "machine": machine_info(), "loadavg_start": os.getloadavg(),
            "xla_flags": ours_flags, "flop_convention": "MaxText: 6*matmul_params + causal attention/2",
            "matmul": {}, "presets": {}, "versions": {}}
-    res["matmul"]["jax"] = run_child({"kind": "matmul_jax", "reps": args.matmul_reps}, ours_flags)
+    # whether our entry points would restart with malloc's huge pages on this machine (the A/B below)
+    hugepages_apply = xla_env.hugepage_environ(child_environ(os.environ, hugepages=False)) is not None
+    res["hugepages"] = {"tunable": xla_env.HUGEPAGE_TUNABLE, "applies": hugepages_apply,
+                        "thp_mode": xla_env.thp_mode(), "glibc": xla_env.glibc_version()}
+    res["matmul"]["jax"] = run_child({"kind": "matmul_jax", "reps": args.matmul_reps}, ours_flags,
+                                     hugepages=True)
     log(f"jax matmul: {res['matmul']['jax'].get('gflops', res['matmul']['jax'])}")
     if not args.skip_torch:
         res["matmul"]["torch"] = run_child({"kind": "matmul_torch", "reps": args.matmul_reps,
-                                            "threads": threads})
+                                            "threads": threads}, hugepages=False)
         log(f"torch matmul: {res['matmul']['torch'].get('gflops', res['matmul']['torch'])}")
     if not args.skip_bmm_variants:
         bmm = {"kind": "matmul_jax", "reps": args.matmul_reps, "bmm_only": True}
@@ -530,33 +579,38 @@ def main(argv=None) -> dict:
         runs.append((f"split into {BMM_SPLIT} dots", {**bmm, "split": BMM_SPLIT}, ours_flags))
         v = res["matmul"]["bmm_variants"] = {}
         for name, spec, flags in runs:
-            v[name] = run_child(spec, flags)
+            v[name] = run_child(spec, flags, hugepages=True)
             log(f"batched matmul, {name}: {v[name].get('bmm_gflops', v[name])}")
     for preset in [p for p in args.presets.split(",") if p]:
         config = _preset_config(preset)
         B = int(batches.get(preset, config.train.batch_size))
         row = res["presets"][preset] = {"batch": B, "seq_len": config.data.seq_len}
         common = {"preset": preset, "batch": B, "steps": args.steps}
-        runs = [("ours", {"kind": "ours", **common}, ours_flags)]
+        # (name, spec, XLA_FLAGS, huge pages): ours as the CLI runs it, torch as its users run it
+        runs = [("ours", {"kind": "ours", **common}, ours_flags, True)]
+        torch_spec = {"kind": "torch", "attn": "sdpa", "threads": threads, **common}
         if not args.skip_ab:
-            runs += [(name, {"kind": "ours", "model_overrides": o, **common}, ours_flags)
+            runs += [(name, {"kind": "ours", "model_overrides": o, **common}, ours_flags, True)
                      for name, o in AB_VARIANTS.items()]
-            runs.append(("ours_no_trim", {"kind": "ours", "trim": False, **common}, ours_flags))
+            runs.append(("ours_no_trim", {"kind": "ours", "trim": False, **common}, ours_flags, True))
+            if hugepages_apply:
+                runs.append(("ours_no_hugepages", {"kind": "ours", **common}, ours_flags, False))
             if xla_env.VECTOR_FLAG in ours_flags.split():
                 runs.append(("ours_vector256", {"kind": "ours", **common},
-                             " ".join(f for f in ours_flags.split() if f != xla_env.VECTOR_FLAG)))
+                             " ".join(f for f in ours_flags.split() if f != xla_env.VECTOR_FLAG), True))
             if not args.skip_torch:
-                runs.append(("torch_sdpa_no_trim", {"kind": "torch", "attn": "sdpa", "threads": threads,
-                                                    "trim": False, **common}, None))
+                runs.append(("torch_sdpa_no_trim", {**torch_spec, "trim": False}, None, False))
+                if hugepages_apply:
+                    runs.append(("torch_sdpa_hugepages", torch_spec, None, True))
         if not args.skip_torch:
-            runs.append(("torch_sdpa", {"kind": "torch", "attn": "sdpa", "threads": threads, **common}, None))
+            runs.append(("torch_sdpa", torch_spec, None, False))
         if not args.skip_default_flags:
-            runs.append(("ours_default_flags", {"kind": "ours", **common}, base_flags))
+            runs.append(("ours_default_flags", {"kind": "ours", **common}, base_flags, True))
         if not args.skip_torch and not args.skip_eager:
-            runs.append(("torch_eager", {"kind": "torch", "attn": "eager", "threads": threads,
-                                         **common, "steps": max(2, args.steps // 2)}, None))
-        for name, spec, flags in runs:
-            row[name] = run_child(spec, flags)
+            runs.append(("torch_eager", {**torch_spec, "attn": "eager",
+                                         "steps": max(2, args.steps // 2)}, None, False))
+        for name, spec, flags, hugepages in runs:
+            row[name] = run_child(spec, flags, hugepages=hugepages)
             r = row[name]
             log(f"{preset} {name}: " + (f"{r['tokens_per_s']:,.0f} tok/s, step {r['step_s_min']:.3f}s "
                                         f"(median {r['step_s_median']:.3f}s)" if "tokens_per_s" in r

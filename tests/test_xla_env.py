@@ -176,3 +176,82 @@ def test_release_host_memory_returns_freed_heap_pages():
     after = rss_mib()
     libc.free(keep)
     assert before - after > 50, (before, after)
+
+
+@pytest.mark.parametrize("environ,mode,glibc,want", [
+    ({}, "madvise", (2, 36), "glibc.malloc.hugetlb=1"),
+    ({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, "madvise", (2, 35),
+     "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"),  # the user's tunables are kept
+    ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, "madvise", (2, 36), None),  # the user's value rules
+    ({}, "always", (2, 36), None),  # malloc's large blocks get huge pages anyway
+    ({}, "never", (2, 36), None),
+    ({}, None, (2, 36), None),  # no THP setting to read
+    ({}, "madvise", (2, 34), None),  # glibc without the tunable
+    ({}, "madvise", None, None),  # not glibc
+    ({"ICML_JAX_HUGEPAGES": "0"}, "madvise", (2, 36), None),
+    ({"ICML_JAX_HUGEPAGES": "1"}, "never", (2, 36), "glibc.malloc.hugetlb=1"),  # forced
+    ({"ICML_JAX_HUGEPAGES": "1"}, "madvise", (2, 31), None),  # glibc still has to know it
+])
+def test_hugepage_environ_rule(environ, mode, glibc, want):
+    before = dict(environ)
+    env = xla_env.hugepage_environ(environ, mode=mode, glibc=glibc)
+    assert environ == before  # a copy; the caller's mapping is not changed
+    if want is None:
+        assert env is None
+    else:
+        assert env == {**environ, "GLIBC_TUNABLES": want}
+
+
+def test_thp_mode_and_launched_program(tmp_path):
+    import types
+    path = tmp_path / "enabled"
+    path.write_text("always [madvise] never\n")
+    assert xla_env.thp_mode(str(path)) == "madvise"
+    assert xla_env.thp_mode(str(tmp_path / "missing")) is None
+    spec = lambda name: types.SimpleNamespace(__spec__=types.SimpleNamespace(name=name))  # noqa: E731
+    assert xla_env.launched_program(spec("experiments.rmt.__main__")) == "experiments.rmt"
+    assert xla_env.launched_program(spec("icml_jax.main")) == "icml_jax.main"
+    assert xla_env.launched_program(types.SimpleNamespace(__spec__=None)) is None  # a script, -c
+    assert xla_env.launched_program() not in (None, "icml_jax.main")  # this test runner's own main
+
+
+_RESTART_CODE = """
+import ctypes, os, resource, sys
+from icml_jax import xla_env
+print("START", os.getpid(), os.environ.get("GLIBC_TUNABLES", "-"), flush=True)
+print("NOT_OURS", xla_env.restart_with_hugepages("pytest"), flush=True)  # never restarts others
+xla_env.restart_with_hugepages(sys.argv[1])
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+p = libc.malloc(256 << 20)  # one block as large as a train step's temporaries: glibc mmaps it
+ctypes.memset(p, 1, 256 << 20)
+print("END", os.getpid(), os.environ.get("GLIBC_TUNABLES", "-"), sys.argv[1:],
+      resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0, flush=True)
+"""
+
+
+def test_entry_points_restart_with_malloc_huge_pages():
+    """A ``python -m`` program of ours starts again in the same process (same PID and arguments)
+    with the glibc tunable, once; then a large block faults in as huge pages (far fewer faults
+    than with ``ICML_JAX_HUGEPAGES=0``) where the kernel's THP mode is ``madvise``."""
+    base = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", xla_env.HUGEPAGES_ENV)}
+    runs = {}
+    for name, extra in (("on", {xla_env.HUGEPAGES_ENV: "1"}), ("off", {xla_env.HUGEPAGES_ENV: "0"})):
+        out = subprocess.run([sys.executable, "-c", _RESTART_CODE, "icml_jax.main", "--x=1"],
+                             cwd=REPO_ROOT, env={**base, **extra}, capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        runs[name] = [line.split() for line in out.stdout.splitlines()]
+    supported = (xla_env.glibc_version() or (0, 0)) >= (2, 35)
+    on, off = runs["on"], runs["off"]
+    assert [r[0] for r in off] == ["START", "NOT_OURS", "END"] and off[-1][2] == "-"
+    if supported:
+        assert [r[0] for r in on] == ["START", "NOT_OURS", "START", "NOT_OURS", "END"]  # one restart
+        assert on[0][1] == on[2][1] == on[-1][1]  # the same process
+        assert on[0][2] == "-" and on[2][2] == on[-1][2] == xla_env.HUGEPAGE_TUNABLE
+        assert " ".join(on[-1][3:-1]) == "['icml_jax.main', '--x=1']"  # the same arguments
+        if xla_env.thp_mode() == "madvise":
+            assert int(on[-1][-1]) * 4 < int(off[-1][-1]), (on[-1], off[-1])
+    else:
+        assert [r[0] for r in on] == ["START", "NOT_OURS", "END"]
