@@ -319,7 +319,9 @@ def restart_with_hugepages(program: str | None = "auto") -> bool:
         return False
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, argv, env)
+    # argv[0] = the interpreter's full path: a bare "python" would be looked up on PATH again to
+    # find the installation (its virtual environment), which could be another one
+    os.execve(sys.executable, [sys.executable] + argv[1:], env)
     return False  # not reached
 
 
