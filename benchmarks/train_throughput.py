@@ -11,7 +11,10 @@ What it measures, on this machine, in one run:
     (``--skip_bmm_variants`` leaves those out).
   * ``ours``: tokens/s of the trainer's step (``make_train_step`` + ``create_sharded_state`` +
     ``LMTask.loss`` + the config's AdamW, donated state) on a synthetic batch, with the XLA CPU
-    flags in ``RECOMMENDED_XLA_FLAGS`` and, for comparison, with jax's default flags.
+    flags in ``RECOMMENDED_XLA_FLAGS`` and, for comparison, with jax's default flags; with
+    malloc's huge pages where our entry points restart with them (``xla_env.hugepage_environ``),
+    and without them (``ours_no_hugepages``). Torch runs as its users run it, and with huge pages
+    as a control (``torch_sdpa_hugepages``). Each child reports its minor page faults per step.
   * ``torch``: ``transformers.LlamaForCausalLM`` of the same dimensions (fp32, tied embeddings,
     same rope theta) trained with ``torch.optim.AdamW`` + grad clipping on the same tokens,
     ``torch.set_num_threads(cores)``, attention ``sdpa`` and ``eager``.
@@ -37,6 +40,7 @@ import json
 import os
 import platform
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -412,6 +416,11 @@ def summarize(res: dict) -> dict:
         ours, ref = row.get("ours", {}), row.get("torch_sdpa", {})
         if "tokens_per_s" in ours and "tokens_per_s" in ref:
             row["ratio_ours_over_torch_sdpa"] = ours["tokens_per_s"] / ref["tokens_per_s"]
+        ratios = sorted(r["ours"] / r["torch_sdpa"] for r in row.get("rounds", [])
+                        if r.get("ours") and r.get("torch_sdpa"))
+        if ratios:
+            row["round_ratios"] = ratios
+            row["ratio_median_of_rounds"] = statistics.median(ratios)
         for key, r in row.items():
             if isinstance(r, dict) and "model_tflops_per_s" in r and res["matmul_peak_gflops"]:
                 r["mfu_vs_measured_peak"] = r["model_tflops_per_s"] * 1e3 / res["matmul_peak_gflops"]
@@ -461,6 +470,19 @@ def markdown(res: dict) -> str:
             f"{_fmt_mb(o.get('xla_step_bytes'))} / {_fmt_mb(o.get('steady_peak_bytes'))} / "
             f"{_fmt_mb(o.get('rss_growth_bytes'))} | {_fmt_mb(t.get('steady_peak_bytes'))} / "
             f"{_fmt_mb(t.get('rss_growth_bytes'))} |")
+    with_rounds = [(p, row) for p, row in res["presets"].items() if row.get("round_ratios")]
+    if with_rounds:
+        lines += ["", "The headline pair in interleaved rounds (each round: one `ours` and one `torch_sdpa` "
+                  "child, the order alternating; the table above is round 1):", "",
+                  "| preset | tok/s per round (ours / torch) | ours/torch per round | median | min–max |",
+                  "|---|---|---|---|---|"]
+        for preset, row in with_rounds:
+            per = [(r.get("ours"), r.get("torch_sdpa")) for r in row["rounds"]]
+            cells = ", ".join(f"{o:,.0f} / {t:,.0f}" if o and t else "error" for o, t in per)
+            ratios = ", ".join(f"{o / t:.2f}×" if o and t else "–" for o, t in per)
+            rr = row["round_ratios"]
+            lines.append(f"| {preset} | {cells} | {ratios} | **{row['ratio_median_of_rounds']:.2f}×** | "
+                         f"{rr[0]:.2f}–{rr[-1]:.2f}× |")
     lines += ["", "Other variants (tokens/s, step time min / median, steady RSS, minor page faults per "
               "timed step, whether malloc asked for huge pages):", "",
               "| preset | variant | tok/s | step min | step median | TFLOP/s | MFU | steady RSS | faults/step "
@@ -531,6 +553,9 @@ def parse_args(argv):
     p.add_argument("--batch", default="small=16,20m=8",
                    help="rows per step per preset (preset's own batch_size when not listed)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per measurement")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds of the headline pair (ours, torch_sdpa), alternating which goes first; "
+                        "the ratio is the median of the per-round ratios")
     p.add_argument("--matmul_reps", type=int, default=8)
     p.add_argument("--xla_flags", default=RECOMMENDED_XLA_FLAGS, help="XLA_FLAGS for our step")
     p.add_argument("--skip_default_flags", action="store_true",
@@ -609,12 +634,23 @@ def main(argv=None) -> dict:
         if not args.skip_torch and not args.skip_eager:
             runs.append(("torch_eager", {**torch_spec, "attn": "eager",
                                          "steps": max(2, args.steps // 2)}, None, False))
-        for name, spec, flags, hugepages in runs:
-            row[name] = run_child(spec, flags, hugepages=hugepages)
-            r = row[name]
+        def measure(name, spec, flags, hugepages):
+            r = run_child(spec, flags, hugepages=hugepages)
             log(f"{preset} {name}: " + (f"{r['tokens_per_s']:,.0f} tok/s, step {r['step_s_min']:.3f}s "
                                         f"(median {r['step_s_median']:.3f}s)" if "tokens_per_s" in r
                                         else f"ERROR {r.get('error')}"))
+            return r
+
+        for name, spec, flags, hugepages in runs:
+            row[name] = measure(name, spec, flags, hugepages)
+        # more rounds of the headline pair, alternating which runs first (round 1 is the above)
+        pair = {name: run for name, *run in runs if name in ("ours", "torch_sdpa")}
+        if len(pair) == 2:
+            row["rounds"] = [{k: row[k].get("tokens_per_s") for k in pair}]
+            for i in range(1, args.rounds):
+                order = list(pair) if i % 2 == 0 else list(pair)[::-1]
+                got = {k: measure(f"{k} (round {i + 1})", *pair[k]) for k in order}
+                row["rounds"].append({k: got[k].get("tokens_per_s") for k in pair})
     for r in [v for row in res["presets"].values() for v in row.values() if isinstance(v, dict)]:
         for k in ("jax", "torch", "transformers"):
             if f"{k}_version" in r:

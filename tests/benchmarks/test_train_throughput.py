@@ -26,3 +26,42 @@ def test_report_lists_each_batched_matmul_variant_and_its_errors():
     assert "| oneDNN | 60 | 61 |" in md
     assert "| split into 2 dots | error | error |" in md
     assert "| variant | " + " | ".join(shapes) + " |" in md
+
+
+def _row(tok_s, **extra):
+    return {"tokens_per_s": tok_s, "step_s_min": 1.0, "step_s_median": 1.0, "model_tflops_per_s": 0.1,
+            "params": 1e6, **extra}
+
+
+def test_headline_ratio_is_the_median_of_interleaved_rounds():
+    rounds = [{"ours": 100.0, "torch_sdpa": 100.0}, {"ours": 90.0, "torch_sdpa": 100.0},
+              {"ours": 120.0, "torch_sdpa": 100.0}]
+    res = {"date": "d", "argv": [], "xla_flags": "", "versions": {}, "loadavg_start": (0, 0, 0),
+           "loadavg_end": (0, 0, 0), "runtime_s": 1.0, "machine": {"cpu": "cpu", "cores": 2, "ram_gib": 1},
+           "matmul": {"jax": {"gflops": {"8x8x8": 100.0}}},
+           "presets": {"small": {"batch": 2, "seq_len": 8, "rounds": rounds,
+                                 "ours": _row(100.0, glibc_tunables="glibc.malloc.hugetlb=1",
+                                              page_faults_per_step=700.0),
+                                 "torch_sdpa": _row(100.0, glibc_tunables="", page_faults_per_step=12000.0)}}}
+    tt.summarize(res)
+    row = res["presets"]["small"]
+    assert row["round_ratios"] == [0.9, 1.0, 1.2] and row["ratio_median_of_rounds"] == 1.0
+    md = tt.markdown(res)
+    assert "| small | 100 / 100, 90 / 100, 120 / 100 | 1.00×, 0.90×, 1.20× | **1.00×** | 0.90–1.20× |" in md
+    assert "| small | ours | 100 | " in md and "| 700 | yes |" in md  # faults and huge pages per row
+    assert "| 12,000 | no |" in md
+
+
+def test_child_environ_sets_or_removes_malloc_huge_pages(monkeypatch):
+    monkeypatch.setattr(tt.xla_env, "thp_mode", lambda *a: "madvise")
+    monkeypatch.setattr(tt.xla_env, "glibc_version", lambda: (2, 36))
+    base = {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1", "XLA_FLAGS": "--a"}
+    off = tt.child_environ(base, "--b", hugepages=False)
+    assert off["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2" and off["XLA_FLAGS"] == "--b"
+    on = tt.child_environ({"PATH": "/bin"}, None, hugepages=True)
+    assert on["GLIBC_TUNABLES"] == tt.xla_env.HUGEPAGE_TUNABLE and "XLA_FLAGS" not in on
+    assert "GLIBC_TUNABLES" not in tt.child_environ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"},
+                                                   hugepages=False)
+    assert tt.child_environ(base) == base  # None: inherited as it is
+    # the user's opt-out also holds for the benchmark's "ours"
+    assert "GLIBC_TUNABLES" not in tt.child_environ({tt.xla_env.HUGEPAGES_ENV: "0"}, hugepages=True)
