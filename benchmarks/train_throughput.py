@@ -335,20 +335,20 @@ CHILDREN = {"matmul_jax": child_matmul_jax, "matmul_torch": child_matmul_torch, 
 
 def child_environ(environ, xla_flags: str | None = None, hugepages: bool | None = None) -> dict:
     """A child's environment: ``environ`` with ``XLA_FLAGS`` set (unless None) and malloc's huge
-    pages (``xla_env.HUGEPAGE_TUNABLE`` in ``GLIBC_TUNABLES``) as our entry points choose them
-    (``True``: ``xla_env.hugepage_environ``'s rule, which the CLI's restart applies), removed
-    (``False``) or as inherited (None)."""
+    pages (``xla_env.HUGEPAGE_TUNABLE`` in ``GLIBC_TUNABLES``) as our entry points' restart would
+    set them (``True``: ``xla_env.hugepage_environ``'s rule, which keeps a value the user set),
+    removed (``False``: any ``glibc.malloc.hugetlb``) or as inherited (None)."""
     env = dict(environ)
     if xla_flags is not None:
         env["XLA_FLAGS"] = xla_flags
-    if hugepages is not None:
+    if hugepages:
+        env = xla_env.hugepage_environ(env) or env
+    elif hugepages is False:
         name = xla_env.HUGEPAGE_TUNABLE.split("=", 1)[0]
         kept = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t and t.split("=", 1)[0] != name]
         env.pop("GLIBC_TUNABLES", None)
         if kept:
             env["GLIBC_TUNABLES"] = ":".join(kept)
-        if hugepages:
-            env = xla_env.hugepage_environ(env) or env
     return env
 
 
@@ -588,7 +588,9 @@ def main(argv=None) -> dict:
            "xla_flags": ours_flags, "flop_convention": "MaxText: 6*matmul_params + causal attention/2",
            "matmul": {}, "presets": {}, "versions": {}}
     # whether our entry points would restart with malloc's huge pages on this machine (the A/B below)
-    hugepages_apply = xla_env.hugepage_environ(child_environ(os.environ, hugepages=False)) is not None
+    hugepages_apply = (xla_env.HUGEPAGE_TUNABLE in child_environ(os.environ, hugepages=True)
+                       .get("GLIBC_TUNABLES", "").split(":"))
+    res["glibc_tunables"] = "per child: each row's glibc_tunables"  # not this parent's
     res["hugepages"] = {"tunable": xla_env.HUGEPAGE_TUNABLE, "applies": hugepages_apply,
                         "thp_mode": xla_env.thp_mode(), "glibc": xla_env.glibc_version()}
     res["matmul"]["jax"] = run_child({"kind": "matmul_jax", "reps": args.matmul_reps}, ours_flags,

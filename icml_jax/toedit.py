@@ -37,6 +37,7 @@ def _parse(argv):
 def main(argv=None) -> dict:
     args = _parse(argv)
     from icml_jax import xla_env  # pylint: disable=g-import-not-at-top
+    xla_env.restart_with_hugepages()  # before the checks below read the corpus (they would run twice)
     from icml_jax.train import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
     cfg = ToEditConfig(args.p, args.k, args.beta, args.compare, args.drop_below)
     try:  # everything checkable before JAX loads anything

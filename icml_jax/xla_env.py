@@ -28,8 +28,9 @@ Outside XLA's flags, the entry points also restart once with glibc's malloc aski
 huge pages (:func:`restart_with_hugepages`, ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``): XLA:CPU
 allocates a program's temporary buffer afresh at each execution, and glibc maps a block that
 large anew each time, so the kernel faulted the whole buffer in page by page at every train step
-(94k faults and ~16% of the step's CPU time on ``small``). With huge pages: ~700 faults per step;
-train step 6-10% faster in ``benchmarks.train_throughput`` (``ours_no_hugepages`` rows).
+(95k faults and ~16% of the step's CPU time on ``small``). With huge pages: 0.6k-1.3k faults per
+step and 9-12% more tokens/s in ``benchmarks.train_throughput`` (``ours_no_hugepages`` rows).
+``python -m icml_jax.xla_env`` prints what the entry points choose on this machine.
 """
 from __future__ import annotations
 
@@ -227,7 +228,8 @@ def use_defaults() -> str | None:
 
 # ----------------------------------------------------------------------------- huge pages
 
-HUGEPAGES_ENV = "ICML_JAX_HUGEPAGES"  # 0: never; 1: whatever the kernel's THP mode; unset: auto
+HUGEPAGES_ENV = "ICML_JAX_HUGEPAGES"  # 0/off: never; 1: skip the THP-mode check; unset: auto
+RESTARTED_ENV = "ICML_JAX_HUGEPAGES_RESTARTED"  # set in the restarted process: never twice
 HUGEPAGE_TUNABLE = "glibc.malloc.hugetlb=1"
 THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 
@@ -259,21 +261,24 @@ def hugepage_environ(environ=None, *, mode: str | None = "auto", glibc="auto") -
 
     Why: XLA:CPU allocates a program's temporary buffer (368 MiB for the ``small`` train step)
     afresh at every execution. glibc serves a block that large with its own ``mmap``, so every
-    step page-faults the whole buffer in again, 4 KiB at a time: 94k faults and ~0.3 cores of
+    step page-faulted the whole buffer in again, 4 KiB at a time: 95k faults and ~0.3 cores of
     kernel time per ``small`` step. With ``glibc.malloc.hugetlb=1`` (glibc >= 2.35) malloc asks
-    for transparent huge pages on such blocks (``madvise``), and the faults fall to ~700 per step.
-    (Torch's step, whose tensors glibc mostly reuses, faulted 12k-23k times per step and did not
-    get measurably faster.) ``benchmarks/train_throughput`` measures the A/B of both.
+    for transparent huge pages on such blocks (``madvise``): 0.6k-1.3k faults per step, 9-12% more
+    tokens/s (``benchmarks/train_throughput``'s ``ours_no_hugepages`` rows). What the kernel still
+    spends is zeroing the fresh pages. Torch's step, whose tensors glibc mostly reuses (8k-47k
+    faults per step), was within 2% with it (``torch_sdpa_hugepages``).
 
     It applies on Linux with glibc >= 2.35 (``glibc``: (major, minor) or None for another C
     library; :func:`glibc_version` when "auto") where the kernel's THP mode (``mode``; read from
     :data:`THP_SETTING` when "auto") is ``madvise``: in ``always`` mode these blocks get huge pages
-    anyway, in ``never`` they cannot. ``$ICML_JAX_HUGEPAGES``: ``0`` never, ``1`` whatever the mode
-    (glibc still has to be >= 2.35), unset: as above. A ``glibc.malloc.hugetlb`` the user set in
-    ``GLIBC_TUNABLES`` is left to rule."""
+    anyway, in ``never`` they cannot (glibc's request only acts in ``madvise`` mode).
+    ``$ICML_JAX_HUGEPAGES``: ``0`` (or ``off``/``false``/``no``) never; ``1`` skips the mode check
+    (for a container whose ``/sys`` does not show it); unset: as above. A ``glibc.malloc.hugetlb``
+    the user set in ``GLIBC_TUNABLES`` is left to rule. ``ICML_JAX_DEFAULT_XLA_FLAGS=1`` (the XLA
+    flags' opt-out) does not change this."""
     environ = os.environ if environ is None else environ
-    choice = environ.get(HUGEPAGES_ENV, "").strip()
-    if choice == "0" or not sys.platform.startswith("linux"):
+    choice = environ.get(HUGEPAGES_ENV, "").strip().lower()
+    if choice in ("0", "off", "false", "no") or not sys.platform.startswith("linux"):
         return None
     glibc = glibc_version() if glibc == "auto" else glibc
     if glibc is None or tuple(glibc) < (2, 35):
@@ -289,40 +294,115 @@ def hugepage_environ(environ=None, *, mode: str | None = "auto", glibc="auto") -
 
 
 OUR_PACKAGES = ("icml_jax", "experiments", "benchmarks")  # whose ``python -m`` programs restart
+_OPTIONS_WITH_VALUE = ("-W", "-X", "--check-hash-based-pycs")  # interpreter options taking an argument
 
 
 def launched_program(main_module=None) -> str | None:
-    """The module this process was started with by ``python -m`` (its ``__spec__`` name without a
-    trailing ``.__main__``), or None (a script path, ``-c``, an interactive session)."""
+    """The module ``main_module`` (default ``sys.modules["__main__"]``) was run as by ``python -m``
+    or ``runpy`` (its ``__spec__`` name without a trailing ``.__main__``), or None (a script path,
+    ``-c``, an interactive session, a test runner's worker)."""
     main_module = sys.modules.get("__main__") if main_module is None else main_module
     spec = getattr(main_module, "__spec__", None)
     name = getattr(spec, "name", None)
     return name[:-len(".__main__")] if name and name.endswith(".__main__") else name
 
 
-def restart_with_hugepages(program: str | None = "auto") -> bool:
+def command_line_module(argv=None) -> str | None:
+    """The module the interpreter's own ``-m`` names in ``argv`` (default ``sys.orig_argv``), or
+    None (a script, ``-c``, or no ``-m`` before the first non-option)."""
+    argv = list(getattr(sys, "orig_argv", []) or []) if argv is None else list(argv)
+    i = 1
+    while i < len(argv):
+        tok = argv[i]
+        if tok == "-m":
+            return argv[i + 1] if i + 1 < len(argv) else None
+        if tok.startswith("-m"):
+            return tok[2:]
+        if tok in _OPTIONS_WITH_VALUE:
+            i += 2
+            continue
+        if tok == "-c" or tok == "-" or not tok.startswith("-"):
+            return None
+        i += 1
+    return None
+
+
+def _ours(program: str, main_module) -> bool:
+    """``program`` is a module of this checkout's packages (``experiments`` and ``benchmarks``
+    are generic names: the module's file must sit beside ``icml_jax``)."""
+    if program.split(".", 1)[0] not in OUR_PACKAGES:
+        return False
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = getattr(main_module, "__file__", None)
+    return bool(path) and os.path.abspath(path).startswith(root + os.sep)
+
+
+def restart_with_hugepages() -> bool:
     """Starts this program again in the same process (``os.execve``: same PID, same command line,
     ``sys.orig_argv``) with :func:`hugepage_environ`'s ``GLIBC_TUNABLES``, which glibc reads only
-    when a program starts. It restarts only a ``python -m`` run of one of our modules
-    (``program``, default :func:`launched_program`, in :data:`OUR_PACKAGES`): a test runner, a
-    notebook or a user's script calling our functions is never replaced. It does nothing when
-    :func:`hugepage_environ` returns None (also after the restart, so it cannot loop) or once JAX's
-    backend has started; returns False then (it does not return otherwise). Everything the program
-    did before the call runs again, so the entry points call it first (:func:`use_defaults` and
-    :func:`use_default_flags` do)."""
-    program = launched_program() if program == "auto" else program
-    if not program or program.split(".", 1)[0] not in OUR_PACKAGES or _backend_started():
+    when a program starts. Returns False when it does not (otherwise it does not return).
+
+    It restarts only a program the interpreter was started on with ``python -m`` naming one of our
+    modules (:data:`OUR_PACKAGES`, files of this checkout) that is running as ``__main__`` in the
+    main process: never a test runner, a notebook, a script of yours calling our functions or
+    ``runpy``, ``python -m pdb``/``cProfile``/``coverage`` around our module, or a
+    ``multiprocessing`` worker. It does nothing when :func:`hugepage_environ` returns None, once
+    JAX's backend has started, or in a process it already restarted (``$ICML_JAX_HUGEPAGES_RESTARTED``:
+    glibc drops the tunable in secure-mode programs, so the variable alone would not stop a loop).
+    If ``execve`` fails the program goes on without huge pages (a warning says why). Everything the
+    program did before the call runs again, so the entry points call it first
+    (:func:`use_defaults` and :func:`use_default_flags` do)."""
+    main_module = sys.modules.get("__main__")
+    program = launched_program(main_module)
+    if (not program or program != command_line_module() or not _ours(program, main_module)
+            or os.environ.get(RESTARTED_ENV) or _backend_started()):
+        return False
+    import multiprocessing
+    if multiprocessing.parent_process() is not None:
         return False
     env = hugepage_environ()
-    argv = list(getattr(sys, "orig_argv", []) or [])
-    if env is None or not argv or not sys.executable:
+    if env is None or not sys.executable:
         return False
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # argv[0] = the interpreter's full path: a bare "python" would be looked up on PATH again to
-    # find the installation (its virtual environment), which could be another one
-    os.execve(sys.executable, [sys.executable] + argv[1:], env)
-    return False  # not reached
+    env[RESTARTED_ENV] = "1"
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+    try:
+        # argv[0] = the interpreter's full path: a bare "python" would be looked up on PATH again
+        # to find the installation (its virtual environment), which could be another one
+        os.execve(sys.executable, [sys.executable] + list(sys.orig_argv[1:]), env)
+    except OSError as e:
+        warnings.warn(f"could not restart with malloc huge pages ({e}); going on without them",
+                      stacklevel=2)
+    return False
+
+
+def _report(argv) -> None:
+    """``python -m icml_jax.xla_env [--probe_mib N]``: restarts like an entry point, then prints
+    what our entry points choose here, one ``key: value`` per line; with ``--probe_mib N`` it also
+    mallocs and touches one N MiB block and prints the page faults that took (few with huge
+    pages, N*256 without)."""
+    restart_with_hugepages()
+    use_default_flags()
+    print(f"pid: {os.getpid()}")
+    print(f"restarted: {'yes' if os.environ.get(RESTARTED_ENV) else 'no'}")
+    print(f"GLIBC_TUNABLES: {os.environ.get('GLIBC_TUNABLES', '')}")
+    print(f"XLA_FLAGS: {os.environ.get('XLA_FLAGS', '')}")
+    print(f"THP mode: {thp_mode()}; glibc: {glibc_version()}")
+    print(f"argv: {' '.join(sys.argv[1:])}")
+    if "--probe_mib" in argv:
+        import ctypes
+        import resource
+        n = int(argv[argv.index("--probe_mib") + 1]) << 20
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        block = libc.malloc(n)
+        ctypes.memset(block, 1, n)
+        print(f"probe faults: {resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before}")
 
 
 def release_host_memory() -> bool:
@@ -344,3 +424,7 @@ def release_host_memory() -> bool:
         return False
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     return bool(trim(0))
+
+
+if __name__ == "__main__":
+    _report(sys.argv[1:])

@@ -212,46 +212,106 @@ def test_thp_mode_and_launched_program(tmp_path):
     assert xla_env.launched_program(spec("experiments.rmt.__main__")) == "experiments.rmt"
     assert xla_env.launched_program(spec("icml_jax.main")) == "icml_jax.main"
     assert xla_env.launched_program(types.SimpleNamespace(__spec__=None)) is None  # a script, -c
-    assert xla_env.launched_program() not in (None, "icml_jax.main")  # this test runner's own main
+    cm = xla_env.command_line_module
+    assert cm(["py", "-m", "icml_jax.main", "--x"]) == "icml_jax.main"
+    assert cm(["py", "-X", "utf8", "-W", "error", "-u", "-mexperiments.rmt"]) == "experiments.rmt"
+    assert cm(["py", "-m", "pdb", "-m", "icml_jax.main"]) == "pdb"
+    assert cm(["py", "script.py", "-m", "icml_jax.main"]) is None
+    assert cm(["py", "-c", "code", "-m", "x"]) is None and cm(["py"]) is None
 
 
-_RESTART_CODE = """
-import ctypes, os, resource, sys
-from icml_jax import xla_env
-print("START", os.getpid(), os.environ.get("GLIBC_TUNABLES", "-"), flush=True)
-print("NOT_OURS", xla_env.restart_with_hugepages("pytest"), flush=True)  # never restarts others
-xla_env.restart_with_hugepages(sys.argv[1])
-libc = ctypes.CDLL("libc.so.6")
-libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
-f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-p = libc.malloc(256 << 20)  # one block as large as a train step's temporaries: glibc mmaps it
-ctypes.memset(p, 1, 256 << 20)
-print("END", os.getpid(), os.environ.get("GLIBC_TUNABLES", "-"), sys.argv[1:],
-      resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0, flush=True)
-"""
+def _fake_program(monkeypatch, name="icml_jax.main", file=None, argv=None, env=None):
+    """This process dressed as ``python -m name``; returns the list os.execve calls are recorded in."""
+    import types
+    main = types.ModuleType("__main__")
+    main.__spec__ = types.SimpleNamespace(name=name)
+    main.__file__ = file or os.path.join(REPO_ROOT, *name.split(".")) + ".py"
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    monkeypatch.setattr(sys, "orig_argv", argv or ["python3", "-m", name, "--flag=1"])
+    monkeypatch.setattr(xla_env, "_backend_started", lambda: False)
+    monkeypatch.setattr(xla_env, "hugepage_environ", lambda *a, **k: {"GLIBC_TUNABLES": "t"} if env is None else env)
+    monkeypatch.delenv(xla_env.RESTARTED_ENV, raising=False)
+    calls = []
+    monkeypatch.setattr(os, "execve", lambda path, args, environ: calls.append((path, args, environ)))
+    return calls
 
 
-def test_entry_points_restart_with_malloc_huge_pages():
-    """A ``python -m`` program of ours starts again in the same process (same PID and arguments)
-    with the glibc tunable, once; then a large block faults in as huge pages (far fewer faults
+def test_restart_a_python_m_program_of_ours_once(monkeypatch):
+    calls = _fake_program(monkeypatch)
+    assert xla_env.restart_with_hugepages() is False and len(calls) == 1
+    path, args, env = calls[0]
+    assert path == sys.executable and args == [sys.executable, "-m", "icml_jax.main", "--flag=1"]
+    assert env == {"GLIBC_TUNABLES": "t", xla_env.RESTARTED_ENV: "1"}
+
+
+@pytest.mark.parametrize("why", ["restarted", "pdb", "runpy from a script", "not ours",
+                                 "another 'experiments'", "worker", "backend up", "nothing to add"])
+def test_restart_refuses(monkeypatch, tmp_path, why):
+    kwargs = {"pdb": {"argv": ["py", "-m", "pdb", "-m", "icml_jax.main"]},
+              "runpy from a script": {"argv": ["py", "mine.py"]},
+              "not ours": {"name": "pytest"},
+              "another 'experiments'": {"name": "experiments.x",
+                                        "file": str(tmp_path / "experiments" / "x.py")},
+              "nothing to add": {"env": None}}.get(why, {})
+    if why == "another 'experiments'":
+        kwargs["argv"] = ["py", "-m", "experiments.x"]
+    calls = _fake_program(monkeypatch, **kwargs)
+    if why == "nothing to add":
+        monkeypatch.setattr(xla_env, "hugepage_environ", lambda *a, **k: None)
+    if why == "restarted":  # e.g. glibc dropped the tunable (secure mode): no second exec
+        monkeypatch.setenv(xla_env.RESTARTED_ENV, "1")
+    if why == "worker":
+        monkeypatch.setattr("multiprocessing.parent_process", lambda: object())
+    if why == "backend up":
+        monkeypatch.setattr(xla_env, "_backend_started", lambda: True)
+    assert xla_env.restart_with_hugepages() is False and calls == []
+
+
+def test_restart_survives_a_failing_exec_and_use_default_flags_calls_it(monkeypatch):
+    _fake_program(monkeypatch)
+
+    def fail(*a):
+        raise OSError("exec format error")
+    monkeypatch.setattr(os, "execve", fail)
+    with pytest.warns(UserWarning, match="could not restart with malloc huge pages"):
+        assert xla_env.restart_with_hugepages() is False
+    seen = []
+    monkeypatch.setattr(xla_env, "restart_with_hugepages", lambda: seen.append(1) or False)
+    monkeypatch.setenv(xla_env.OPT_OUT_ENV, "1")  # leave XLA_FLAGS alone
+    xla_env.use_default_flags({})  # an explicit environment: no restart
+    assert not seen
+    xla_env.use_default_flags()
+    assert seen == [1]
+
+
+def test_this_test_runner_is_never_restarted(monkeypatch):
+    monkeypatch.delenv(xla_env.RESTARTED_ENV, raising=False)
+    monkeypatch.setattr(os, "execve", lambda *a: pytest.fail(f"restarted the test runner: {a}"))
+    assert xla_env.restart_with_hugepages() is False
+
+
+def test_entry_point_restarts_with_malloc_huge_pages():
+    """``python -m icml_jax.xla_env`` restarts like every entry point: in the same process (same
+    PID), with its arguments, once; a large block then faults in as huge pages (far fewer faults
     than with ``ICML_JAX_HUGEPAGES=0``) where the kernel's THP mode is ``madvise``."""
-    base = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", xla_env.HUGEPAGES_ENV)}
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("GLIBC_TUNABLES", xla_env.HUGEPAGES_ENV, xla_env.RESTARTED_ENV)}
     runs = {}
     for name, extra in (("on", {xla_env.HUGEPAGES_ENV: "1"}), ("off", {xla_env.HUGEPAGES_ENV: "0"})):
-        out = subprocess.run([sys.executable, "-c", _RESTART_CODE, "icml_jax.main", "--x=1"],
-                             cwd=REPO_ROOT, env={**base, **extra}, capture_output=True, text=True,
-                             timeout=120)
-        assert out.returncode == 0, out.stderr[-2000:]
-        runs[name] = [line.split() for line in out.stdout.splitlines()]
-    supported = (xla_env.glibc_version() or (0, 0)) >= (2, 35)
+        proc = subprocess.Popen([sys.executable, "-m", "icml_jax.xla_env", "--probe_mib", "256", "--x=1"],
+                                cwd=REPO_ROOT, env={**base, **extra}, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err[-2000:]
+        lines = dict(line.split(": ", 1) for line in out.splitlines() if ": " in line)
+        assert out.count("pid: ") == 1 and int(lines["pid"]) == proc.pid, out  # one report, same process
+        assert lines["argv"] == "--probe_mib 256 --x=1", out
+        runs[name] = lines
     on, off = runs["on"], runs["off"]
-    assert [r[0] for r in off] == ["START", "NOT_OURS", "END"] and off[-1][2] == "-"
-    if supported:
-        assert [r[0] for r in on] == ["START", "NOT_OURS", "START", "NOT_OURS", "END"]  # one restart
-        assert on[0][1] == on[2][1] == on[-1][1]  # the same process
-        assert on[0][2] == "-" and on[2][2] == on[-1][2] == xla_env.HUGEPAGE_TUNABLE
-        assert " ".join(on[-1][3:-1]) == "['icml_jax.main', '--x=1']"  # the same arguments
+    assert off["restarted"] == "no" and off["GLIBC_TUNABLES"] == ""
+    if (xla_env.glibc_version() or (0, 0)) >= (2, 35):
+        assert on["restarted"] == "yes" and on["GLIBC_TUNABLES"] == xla_env.HUGEPAGE_TUNABLE
         if xla_env.thp_mode() == "madvise":
-            assert int(on[-1][-1]) * 4 < int(off[-1][-1]), (on[-1], off[-1])
+            assert int(on["probe faults"]) * 4 < int(off["probe faults"]), (on, off)
     else:
-        assert [r[0] for r in on] == ["START", "NOT_OURS", "END"]
+        assert on["restarted"] == "no"

@@ -63,5 +63,7 @@ def test_child_environ_sets_or_removes_malloc_huge_pages(monkeypatch):
     assert "GLIBC_TUNABLES" not in tt.child_environ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"},
                                                    hugepages=False)
     assert tt.child_environ(base) == base  # None: inherited as it is
+    mine = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}  # the user's own value is kept, as the CLI keeps it
+    assert tt.child_environ(mine, hugepages=True) == mine
     # the user's opt-out also holds for the benchmark's "ours"
     assert "GLIBC_TUNABLES" not in tt.child_environ({tt.xla_env.HUGEPAGES_ENV: "0"}, hugepages=True)
