@@ -69,6 +69,7 @@ def child(module: str, argv: list, out_path: str) -> None:
         if e.code not in (0, None):
             raise
     rec["cache_dir"] = jax.config.jax_compilation_cache_dir
+    rec["glibc_tunables"] = os.environ.get("GLIBC_TUNABLES", "")
     with open(out_path, "w") as f:
         json.dump(rec, f)
 
@@ -77,6 +78,11 @@ def run_child(module, argv, cache, min_secs):
     """One fresh process; returns the child's record plus its wall seconds."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COMPILATION_CACHE",
                                                                      "JAX_PERSISTENT_CACHE"))}
+    # The child runs the CLI through runpy, where the CLI's huge-page restart does not act (the
+    # interpreter's -m names this module), so it starts with the environment that restart gives
+    # (the restart's own ~0.1 s is then not in the wall time)
+    from icml_jax import xla_env
+    env = xla_env.hugepage_environ(env) or env
     env["ICML_JAX_COMPILATION_CACHE"] = cache
     if min_secs is not None:
         env["ICML_JAX_CACHE_MIN_COMPILE_SECS"] = str(min_secs)
@@ -123,7 +129,10 @@ def markdown(res) -> str:
              f"Measured {res['date']} on {res['machine']} (load average {res['loadavg']:.2f} before the "
              f"run), jax {res['jax']}; `python -m benchmarks.compile_time` — {res['command']}. Each row is "
              "one fresh process; `compile` = XLA compile time (or, on a cache hit, the load) summed over "
-             f"the jitted programs, from JAX's monitoring events; cache threshold {res['min_compile_secs']} s.",
+             f"the jitted programs, from JAX's monitoring events; cache threshold {res['min_compile_secs']} s. "
+             "The children run with the `GLIBC_TUNABLES` the CLI's huge-page restart gives "
+             f"({' / '.join(repr(t) for t in res.get('glibc_tunables', [])) or 'not recorded'}), "
+             "without the restart itself (about 0.1 s).",
              ""]
     for preset, r in res["presets"].items():
         lines += [f"## `{preset}`", "",
@@ -172,6 +181,9 @@ def main(argv=None):
                else xla_env.CACHE_MIN_COMPILE_SECS,
                "presets": {pr: measure(pr, a.steps, a.tokens, a.min_compile_secs, tmp)
                            for pr in a.presets.split(",") if pr}}
+    # what the children ran with (this process's own value is not theirs)
+    res["glibc_tunables"] = sorted({r.get("glibc_tunables", "") for p in res["presets"].values()
+                                    for name in ("train", "sample") for r in p[name].values()})
     md = markdown(res)
     write_report(a.out_dir, "compile_time", res, md)
     print(md)

@@ -441,7 +441,7 @@ def markdown(res: dict) -> str:
         "(`icml_jax.analysis.flops.train_flops_per_token`: 6 × matmul params per token + causal "
         "attention counted as half; norms/softmax/optimizer not counted), the same count for both "
         f"frameworks. MFU = model FLOP/s ÷ best measured fp32 matmul ({peak:,.0f} GFLOP/s).", "",
-        "| preset | params | batch×seq | ours tok/s | torch sdpa tok/s | ours/torch | ours TFLOP/s | "
+        "| preset | params | batch×seq | ours tok/s | torch sdpa tok/s | ours/torch (median of rounds) | ours TFLOP/s | "
         "ours MFU | torch TFLOP/s | torch MFU | ours mem (XLA step / steady RSS / RSS growth) | "
         "torch mem (steady RSS / RSS growth) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -464,7 +464,7 @@ def markdown(res: dict) -> str:
         lines.append(
             f"| {preset} | {o['params'] / 1e6:.2f}M | {row['batch']}×{row['seq_len']} | "
             f"{o['tokens_per_s']:,.0f} | {tt and f'{tt:,.0f}'} | "
-            f"{row.get('ratio_ours_over_torch_sdpa', float('nan')):.2f}× | "
+            f"{row.get('ratio_median_of_rounds', row.get('ratio_ours_over_torch_sdpa', float('nan'))):.2f}× | "
             f"{o['model_tflops_per_s']:.3f} | {o.get('mfu_vs_measured_peak', 0):.0%} | "
             f"{t.get('model_tflops_per_s', float('nan')):.3f} | {t.get('mfu_vs_measured_peak', 0):.0%} | "
             f"{_fmt_mb(o.get('xla_step_bytes'))} / {_fmt_mb(o.get('steady_peak_bytes'))} / "
@@ -567,7 +567,10 @@ def parse_args(argv):
                    help="do not time the batched matmuls under BMM_FLAG_VARIANTS and split")
     p.add_argument("--out", default=RESULTS_DIR)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error(f"--rounds={args.rounds}: give at least 1 (round 1 is the main run of the pair)")
+    return args
 
 
 def main(argv=None) -> dict:

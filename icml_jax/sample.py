@@ -140,4 +140,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    xla_env.restart_with_hugepages()  # before absl reads a --flagfile, which may be a pipe
     app.run(main)

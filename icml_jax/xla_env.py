@@ -28,8 +28,8 @@ Outside XLA's flags, the entry points also restart once with glibc's malloc aski
 huge pages (:func:`restart_with_hugepages`, ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``): XLA:CPU
 allocates a program's temporary buffer afresh at each execution, and glibc maps a block that
 large anew each time, so the kernel faulted the whole buffer in page by page at every train step
-(95k faults and ~16% of the step's CPU time on ``small``). With huge pages: 0.6k-1.3k faults per
-step and 9-12% more tokens/s in ``benchmarks.train_throughput`` (``ours_no_hugepages`` rows).
+(95k faults and ~16% of the step's CPU time on ``small``). With huge pages: 0.6k-1.4k faults per
+step and 6-14% more tokens/s in ``benchmarks.train_throughput`` (``ours_no_hugepages`` rows).
 ``python -m icml_jax.xla_env`` prints what the entry points choose on this machine.
 """
 from __future__ import annotations
@@ -229,7 +229,9 @@ def use_defaults() -> str | None:
 # ----------------------------------------------------------------------------- huge pages
 
 HUGEPAGES_ENV = "ICML_JAX_HUGEPAGES"  # 0/off: never; 1: skip the THP-mode check; unset: auto
-RESTARTED_ENV = "ICML_JAX_HUGEPAGES_RESTARTED"  # set in the restarted process: never twice
+# the PID of the process restarted (execve keeps it): that process never restarts twice, while
+# its child processes, which inherit the variable, are judged on their own
+RESTARTED_ENV = "ICML_JAX_HUGEPAGES_RESTARTED"
 HUGEPAGE_TUNABLE = "glibc.malloc.hugetlb=1"
 THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 
@@ -263,17 +265,18 @@ def hugepage_environ(environ=None, *, mode: str | None = "auto", glibc="auto") -
     afresh at every execution. glibc serves a block that large with its own ``mmap``, so every
     step page-faulted the whole buffer in again, 4 KiB at a time: 95k faults and ~0.3 cores of
     kernel time per ``small`` step. With ``glibc.malloc.hugetlb=1`` (glibc >= 2.35) malloc asks
-    for transparent huge pages on such blocks (``madvise``): 0.6k-1.3k faults per step, 9-12% more
+    for transparent huge pages on such blocks (``madvise``): 0.6k-1.4k faults per step, 6-14% more
     tokens/s (``benchmarks/train_throughput``'s ``ours_no_hugepages`` rows). What the kernel still
-    spends is zeroing the fresh pages. Torch's step, whose tensors glibc mostly reuses (8k-47k
-    faults per step), was within 2% with it (``torch_sdpa_hugepages``).
+    spends is zeroing the fresh pages. Torch's step, whose tensors glibc mostly reuses (8k-48k
+    faults per step), changed 0.97-1.00x with it (``torch_sdpa_hugepages``).
 
     It applies on Linux with glibc >= 2.35 (``glibc``: (major, minor) or None for another C
     library; :func:`glibc_version` when "auto") where the kernel's THP mode (``mode``; read from
     :data:`THP_SETTING` when "auto") is ``madvise``: in ``always`` mode these blocks get huge pages
     anyway, in ``never`` they cannot (glibc's request only acts in ``madvise`` mode).
-    ``$ICML_JAX_HUGEPAGES``: ``0`` (or ``off``/``false``/``no``) never; ``1`` skips the mode check
-    (for a container whose ``/sys`` does not show it); unset: as above. A ``glibc.malloc.hugetlb``
+    ``$ICML_JAX_HUGEPAGES``: ``0`` (or ``off``/``false``/``no``) never; ``1`` skips our mode check
+    (glibc still reads the mode itself and asks for huge pages only in ``madvise``); unset: as
+    above. A ``glibc.malloc.hugetlb``
     the user set in ``GLIBC_TUNABLES`` is left to rule. ``ICML_JAX_DEFAULT_XLA_FLAGS=1`` (the XLA
     flags' opt-out) does not change this."""
     environ = os.environ if environ is None else environ
@@ -294,7 +297,9 @@ def hugepage_environ(environ=None, *, mode: str | None = "auto", glibc="auto") -
 
 
 OUR_PACKAGES = ("icml_jax", "experiments", "benchmarks")  # whose ``python -m`` programs restart
-_OPTIONS_WITH_VALUE = ("-W", "-X", "--check-hash-based-pycs")  # interpreter options taking an argument
+# interpreter options that take a value (attached, ``-Werror``, or the next argument)
+_SHORT_WITH_VALUE = "WX"
+_LONG_WITH_VALUE = ("--check-hash-based-pycs",)
 
 
 def launched_program(main_module=None) -> str | None:
@@ -304,27 +309,42 @@ def launched_program(main_module=None) -> str | None:
     main_module = sys.modules.get("__main__") if main_module is None else main_module
     spec = getattr(main_module, "__spec__", None)
     name = getattr(spec, "name", None)
-    return name[:-len(".__main__")] if name and name.endswith(".__main__") else name
+    return _strip_main(name) if name else name
 
 
 def command_line_module(argv=None) -> str | None:
     """The module the interpreter's own ``-m`` names in ``argv`` (default ``sys.orig_argv``), or
-    None (a script, ``-c``, or no ``-m`` before the first non-option)."""
+    None (a script, ``-c``, stdin, or no ``-m`` before the first non-option). Short options may be
+    clustered as CPython accepts them (``-um pkg``, ``-Bmpkg``, ``-uW error -m pkg``): in a cluster,
+    ``m`` and ``c`` take the rest of it or the next argument, and so do ``W`` and ``X``. A trailing
+    ``.__main__`` is dropped, as :func:`launched_program` does."""
     argv = list(getattr(sys, "orig_argv", []) or []) if argv is None else list(argv)
     i = 1
     while i < len(argv):
         tok = argv[i]
-        if tok == "-m":
-            return argv[i + 1] if i + 1 < len(argv) else None
-        if tok.startswith("-m"):
-            return tok[2:]
-        if tok in _OPTIONS_WITH_VALUE:
-            i += 2
-            continue
-        if tok == "-c" or tok == "-" or not tok.startswith("-"):
+        if tok == "-" or not tok.startswith("-"):
             return None
-        i += 1
+        if tok.startswith("--"):
+            if tok == "--":
+                return None
+            i += 2 if tok in _LONG_WITH_VALUE else 1
+            continue
+        skip_next = False
+        for j, ch in enumerate(tok[1:], start=2):
+            if ch == "c":
+                return None
+            if ch == "m":
+                name = tok[j:] or (argv[i + 1] if i + 1 < len(argv) else None)
+                return _strip_main(name) if name else None
+            if ch in _SHORT_WITH_VALUE:
+                skip_next = j == len(tok)  # no value attached: the next argument is the value
+                break
+        i += 2 if skip_next else 1
     return None
+
+
+def _strip_main(name: str) -> str:
+    return name[:-len(".__main__")] if name.endswith(".__main__") else name
 
 
 def _ours(program: str, main_module) -> bool:
@@ -337,6 +357,12 @@ def _ours(program: str, main_module) -> bool:
     return bool(path) and os.path.abspath(path).startswith(root + os.sep)
 
 
+def restarted() -> bool:
+    """Whether this process is one :func:`restart_with_hugepages` restarted (``$ICML_JAX_HUGEPAGES_RESTARTED``
+    holds this PID)."""
+    return os.environ.get(RESTARTED_ENV, "").strip() == str(os.getpid())
+
+
 def restart_with_hugepages() -> bool:
     """Starts this program again in the same process (``os.execve``: same PID, same command line,
     ``sys.orig_argv``) with :func:`hugepage_environ`'s ``GLIBC_TUNABLES``, which glibc reads only
@@ -347,7 +373,7 @@ def restart_with_hugepages() -> bool:
     main process: never a test runner, a notebook, a script of yours calling our functions or
     ``runpy``, ``python -m pdb``/``cProfile``/``coverage`` around our module, or a
     ``multiprocessing`` worker. It does nothing when :func:`hugepage_environ` returns None, once
-    JAX's backend has started, or in a process it already restarted (``$ICML_JAX_HUGEPAGES_RESTARTED``:
+    JAX's backend has started, or in the process it already restarted (:func:`restarted`:
     glibc drops the tunable in secure-mode programs, so the variable alone would not stop a loop).
     If ``execve`` fails the program goes on without huge pages (a warning says why). Everything the
     program did before the call runs again, so the entry points call it first
@@ -355,7 +381,7 @@ def restart_with_hugepages() -> bool:
     main_module = sys.modules.get("__main__")
     program = launched_program(main_module)
     if (not program or program != command_line_module() or not _ours(program, main_module)
-            or os.environ.get(RESTARTED_ENV) or _backend_started()):
+            or restarted() or _backend_started()):
         return False
     import multiprocessing
     if multiprocessing.parent_process() is not None:
@@ -363,7 +389,7 @@ def restart_with_hugepages() -> bool:
     env = hugepage_environ()
     if env is None or not sys.executable:
         return False
-    env[RESTARTED_ENV] = "1"
+    env[RESTARTED_ENV] = str(os.getpid())
     for stream in (sys.stdout, sys.stderr):
         if stream is not None:
             try:
@@ -388,7 +414,7 @@ def _report(argv) -> None:
     restart_with_hugepages()
     use_default_flags()
     print(f"pid: {os.getpid()}")
-    print(f"restarted: {'yes' if os.environ.get(RESTARTED_ENV) else 'no'}")
+    print(f"restarted: {'yes' if restarted() else 'no'}")
     print(f"GLIBC_TUNABLES: {os.environ.get('GLIBC_TUNABLES', '')}")
     print(f"XLA_FLAGS: {os.environ.get('XLA_FLAGS', '')}")
     print(f"THP mode: {thp_mode()}; glibc: {glibc_version()}")

@@ -218,6 +218,15 @@ def test_thp_mode_and_launched_program(tmp_path):
     assert cm(["py", "-m", "pdb", "-m", "icml_jax.main"]) == "pdb"
     assert cm(["py", "script.py", "-m", "icml_jax.main"]) is None
     assert cm(["py", "-c", "code", "-m", "x"]) is None and cm(["py"]) is None
+    # clustered short options, as CPython parses them
+    assert cm(["py", "-um", "icml_jax.main"]) == "icml_jax.main"
+    assert cm(["py", "-Bmicml_jax.sample"]) == "icml_jax.sample"
+    assert cm(["py", "-uW", "error", "-m", "icml_jax.main"]) == "icml_jax.main"
+    assert cm(["py", "-uWerror", "-m", "icml_jax.main"]) == "icml_jax.main"
+    assert cm(["py", "-uW", "-m", "icml_jax.main"]) is None  # "-m" is -W's value here
+    assert cm(["py", "-Ic", "code", "-m", "x"]) is None
+    assert cm(["py", "--check-hash-based-pycs", "never", "-m", "experiments.rmt.__main__"]) == "experiments.rmt"
+    assert cm(["py", "-", "-m", "x"]) is None and cm(["py", "-m"]) is None
 
 
 def _fake_program(monkeypatch, name="icml_jax.main", file=None, argv=None, env=None):
@@ -241,7 +250,7 @@ def test_restart_a_python_m_program_of_ours_once(monkeypatch):
     assert xla_env.restart_with_hugepages() is False and len(calls) == 1
     path, args, env = calls[0]
     assert path == sys.executable and args == [sys.executable, "-m", "icml_jax.main", "--flag=1"]
-    assert env == {"GLIBC_TUNABLES": "t", xla_env.RESTARTED_ENV: "1"}
+    assert env == {"GLIBC_TUNABLES": "t", xla_env.RESTARTED_ENV: str(os.getpid())}
 
 
 @pytest.mark.parametrize("why", ["restarted", "pdb", "runpy from a script", "not ours",
@@ -259,12 +268,26 @@ def test_restart_refuses(monkeypatch, tmp_path, why):
     if why == "nothing to add":
         monkeypatch.setattr(xla_env, "hugepage_environ", lambda *a, **k: None)
     if why == "restarted":  # e.g. glibc dropped the tunable (secure mode): no second exec
-        monkeypatch.setenv(xla_env.RESTARTED_ENV, "1")
+        monkeypatch.setenv(xla_env.RESTARTED_ENV, str(os.getpid()))
     if why == "worker":
         monkeypatch.setattr("multiprocessing.parent_process", lambda: object())
     if why == "backend up":
         monkeypatch.setattr(xla_env, "_backend_started", lambda: True)
     assert xla_env.restart_with_hugepages() is False and calls == []
+
+
+def test_a_child_of_a_restarted_process_is_judged_on_its_own(monkeypatch):
+    """The marker holds the restarted PID: a child process that inherits it (another PID) may
+    restart, the restarted process itself may not."""
+    calls = _fake_program(monkeypatch)
+    monkeypatch.setenv(xla_env.RESTARTED_ENV, str(os.getpid() + 1))
+    assert not xla_env.restarted()
+    xla_env.restart_with_hugepages()
+    assert len(calls) == 1
+    monkeypatch.setenv(xla_env.RESTARTED_ENV, str(os.getpid()))
+    assert xla_env.restarted()
+    xla_env.restart_with_hugepages()
+    assert len(calls) == 1
 
 
 def test_restart_survives_a_failing_exec_and_use_default_flags_calls_it(monkeypatch):

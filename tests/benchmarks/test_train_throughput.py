@@ -34,22 +34,32 @@ def _row(tok_s, **extra):
 
 
 def test_headline_ratio_is_the_median_of_interleaved_rounds():
-    rounds = [{"ours": 100.0, "torch_sdpa": 100.0}, {"ours": 90.0, "torch_sdpa": 100.0},
+    rounds = [{"ours": 90.0, "torch_sdpa": 100.0}, {"ours": 100.0, "torch_sdpa": 100.0},
               {"ours": 120.0, "torch_sdpa": 100.0}]
     res = {"date": "d", "argv": [], "xla_flags": "", "versions": {}, "loadavg_start": (0, 0, 0),
            "loadavg_end": (0, 0, 0), "runtime_s": 1.0, "machine": {"cpu": "cpu", "cores": 2, "ram_gib": 1},
            "matmul": {"jax": {"gflops": {"8x8x8": 100.0}}},
            "presets": {"small": {"batch": 2, "seq_len": 8, "rounds": rounds,
-                                 "ours": _row(100.0, glibc_tunables="glibc.malloc.hugetlb=1",
+                                 "ours": _row(90.0, glibc_tunables="glibc.malloc.hugetlb=1",
                                               page_faults_per_step=700.0),
                                  "torch_sdpa": _row(100.0, glibc_tunables="", page_faults_per_step=12000.0)}}}
     tt.summarize(res)
     row = res["presets"]["small"]
     assert row["round_ratios"] == [0.9, 1.0, 1.2] and row["ratio_median_of_rounds"] == 1.0
     md = tt.markdown(res)
-    assert "| small | 100 / 100, 90 / 100, 120 / 100 | 1.00×, 0.90×, 1.20× | **1.00×** | 0.90–1.20× |" in md
-    assert "| small | ours | 100 | " in md and "| 700 | yes |" in md  # faults and huge pages per row
+    assert "| small | 90 / 100, 100 / 100, 120 / 100 | 0.90×, 1.00×, 1.20× | **1.00×** | 0.90–1.20× |" in md
+    # the headline table: round 1's tokens/s, the rounds' median ratio (round 1 alone: 0.90×)
+    assert "| small | 1.00M | 2×8 | 90 | 100 | 1.00× |" in md
+    assert "| small | ours | 90 | " in md and "| 700 | yes |" in md  # faults and huge pages per row
     assert "| 12,000 | no |" in md
+
+
+def test_rounds_below_one_are_refused(capsys):
+    import pytest
+    with pytest.raises(SystemExit):
+        tt.parse_args(["--rounds=0"])
+    assert "--rounds=0: give at least 1" in capsys.readouterr().err
+    assert tt.parse_args(["--rounds=1"]).rounds == 1
 
 
 def test_child_environ_sets_or_removes_malloc_huge_pages(monkeypatch):

@@ -143,3 +143,22 @@ def test_nan_loss_stops_naming_the_step_and_keeps_last_good_checkpoint(cfg, tmp_
         max(ckpts), args=ocp.args.Composite(state=ocp.args.StandardRestore()))
     c.close()
     assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(restored["state"]["params"]))
+
+
+@pytest.mark.parametrize("module,flag_lines,expect", [
+    ("icml_jax.main", "--config=configs/lm.py:hueg\n--workdir={wd}\n", "unknown preset 'hueg'"),
+    ("icml_jax.sample", "--checkpoint={wd}\n--prompt=hi\n", "w: no such folder"),
+])
+def test_flags_from_a_pipe_survive_the_huge_page_restart(tmp_path, module, flag_lines, expect):
+    """``--flagfile=/dev/stdin``: the entry point restarts (ICML_JAX_HUGEPAGES=1 forces it where
+    glibc allows) before any flag file is read, and main.py reads a piped flag file once (the
+    ml_collections config flag reads flag files while it is defined), so the flags arrive."""
+    import subprocess
+    import sys
+    from tests.train.helpers import REPO_ROOT, env
+    p = subprocess.run([sys.executable, "-m", module, "--flagfile=/dev/stdin"], cwd=REPO_ROOT,
+                       env={**env(1, None), "ICML_JAX_HUGEPAGES": "1"},
+                       input=flag_lines.format(wd=tmp_path / "w"), capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode != 0 and expect in p.stderr, p.stderr[-2000:]
+    assert not os.path.exists(tmp_path / "w")
