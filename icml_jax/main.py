@@ -15,29 +15,24 @@ from ml_collections import config_flags
 
 from icml_jax import logs, xla_env
 
-def expand_pipe_flagfiles(argv: list) -> list:
-    """``argv`` with each ``--flagfile`` that names a pipe or other non-regular file (``/dev/stdin``,
-    ``<(...)``) replaced by the flags it holds (absl's own expansion), others left as they are."""
-    def is_pipe(arg):
-        for prefix in ("--flagfile=", "-flagfile="):
-            if arg.startswith(prefix):
-                path = arg[len(prefix):]
-                return os.path.exists(path) and not os.path.isfile(path)
-        return False
-    if not any(is_pipe(a) for a in argv[1:]):
-        return argv
-    out = argv[:1]
-    for arg in argv[1:]:
-        out += flags.FLAGS.read_flags_from_files([argv[0], arg], force_gnu=False)[1:] if is_pipe(arg) else [arg]
-    return out
+
+def expand_flagfiles(argv: list) -> list:
+    """``argv`` with its ``--flagfile`` arguments replaced by the flags they hold (absl's own
+    expansion, both ``--flagfile=F`` and ``--flagfile F``), so each file is read once. A flag file
+    that cannot be read ends the program with a one-line error (exit status 2)."""
+    try:
+        return flags.FLAGS.read_flags_from_files(argv, force_gnu=False)
+    except flags.Error as e:
+        print(f"error: {str(e).replace('ERROR:: ', '')}; fix the --flagfile path", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":
-    # Restart (huge pages) before any flag file is read, and read a flag file that is a pipe
-    # (--flagfile=/dev/stdin, <(...)) once, into argv: ml_collections' config flag reads the flag
-    # files while it is being defined, which would leave absl an empty pipe.
+    # Restart (huge pages) before any flag file is read, then read the flag files once, into argv:
+    # ml_collections' config flag reads them while it is being defined and absl again when it
+    # parses, which leaves a piped one (--flagfile=/dev/stdin, <(...)) empty the second time.
     xla_env.restart_with_hugepages()
-    sys.argv = expand_pipe_flagfiles(sys.argv)
+    sys.argv = expand_flagfiles(sys.argv)
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/lm.py:small.",
                                           lock_config=True)

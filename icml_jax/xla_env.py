@@ -276,8 +276,7 @@ def hugepage_environ(environ=None, *, mode: str | None = "auto", glibc="auto") -
     anyway, in ``never`` they cannot (glibc's request only acts in ``madvise`` mode).
     ``$ICML_JAX_HUGEPAGES``: ``0`` (or ``off``/``false``/``no``) never; ``1`` skips our mode check
     (glibc still reads the mode itself and asks for huge pages only in ``madvise``); unset: as
-    above. A ``glibc.malloc.hugetlb``
-    the user set in ``GLIBC_TUNABLES`` is left to rule. ``ICML_JAX_DEFAULT_XLA_FLAGS=1`` (the XLA
+    above. A ``glibc.malloc.hugetlb`` the user set in ``GLIBC_TUNABLES`` is left to rule. ``ICML_JAX_DEFAULT_XLA_FLAGS=1`` (the XLA
     flags' opt-out) does not change this."""
     environ = os.environ if environ is None else environ
     choice = environ.get(HUGEPAGES_ENV, "").strip().lower()

@@ -29,6 +29,7 @@ def cfg(tmp_path):
     ("--config.train.keep_checkpoints=0", "config.train.keep_checkpoints must be positive"),
     ("--config=configs/nope.py", "--config=configs/nope.py: no config file 'configs/nope.py'"),
     ("--config=configs/lm.py:hueg", "unknown preset 'hueg'; choose one of"),
+    ("--flagfile=/nonexistent/flags.txt", "Unable to open flagfile"),
 ])
 def test_bad_overrides_fail_in_one_line(tmp_path, override, expect):
     p = run_main(str(tmp_path / "w"), override, check=False, timeout=120)
@@ -145,18 +146,21 @@ def test_nan_loss_stops_naming_the_step_and_keeps_last_good_checkpoint(cfg, tmp_
     assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(restored["state"]["params"]))
 
 
-@pytest.mark.parametrize("module,flag_lines,expect", [
-    ("icml_jax.main", "--config=configs/lm.py:hueg\n--workdir={wd}\n", "unknown preset 'hueg'"),
-    ("icml_jax.sample", "--checkpoint={wd}\n--prompt=hi\n", "w: no such folder"),
+@pytest.mark.parametrize("module,flag_lines,expect,flagfile", [
+    ("icml_jax.main", "--config=configs/lm.py:hueg\n--workdir={wd}\n", "unknown preset 'hueg'",
+     ["--flagfile=/dev/stdin"]),
+    ("icml_jax.main", "--config=configs/lm.py:hueg\n--workdir={wd}\n", "unknown preset 'hueg'",
+     ["--flagfile", "/dev/stdin"]),
+    ("icml_jax.sample", "--checkpoint={wd}\n--prompt=hi\n", "w: no such folder", ["--flagfile=/dev/stdin"]),
 ])
-def test_flags_from_a_pipe_survive_the_huge_page_restart(tmp_path, module, flag_lines, expect):
+def test_flags_from_a_pipe_survive_the_huge_page_restart(tmp_path, module, flag_lines, expect, flagfile):
     """``--flagfile=/dev/stdin``: the entry point restarts (ICML_JAX_HUGEPAGES=1 forces it where
     glibc allows) before any flag file is read, and main.py reads a piped flag file once (the
     ml_collections config flag reads flag files while it is defined), so the flags arrive."""
     import subprocess
     import sys
     from tests.train.helpers import REPO_ROOT, env
-    p = subprocess.run([sys.executable, "-m", module, "--flagfile=/dev/stdin"], cwd=REPO_ROOT,
+    p = subprocess.run([sys.executable, "-m", module, *flagfile], cwd=REPO_ROOT,
                        env={**env(1, None), "ICML_JAX_HUGEPAGES": "1"},
                        input=flag_lines.format(wd=tmp_path / "w"), capture_output=True, text=True,
                        timeout=120)
