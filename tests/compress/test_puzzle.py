@@ -31,6 +31,12 @@ def _batch(seed, B=4, T=16):
             "segment_ids": jnp.asarray(seg), "positions": jnp.asarray(pos)}
 
 
+def _logits(model_config, params, b):
+    """The model's logits on batch ``b``, jitted (one compile beats op-by-op dispatch)."""
+    return jax.jit(build_model(model_config).apply)({"params": params}, b["inputs"], b["positions"],
+                                                    b["segment_ids"])
+
+
 def _batches(seed=1):
     for i in itertools.count():
         yield _batch(seed * 1000 + i)
@@ -104,11 +110,10 @@ def test_a_child_of_the_parents_blocks_is_the_parent_and_others_run(parent, trai
     m, params, library, _ = parent
     vparams, _, _ = trained
     b = _batch(3)
-    want = build_model(m).apply({"params": params}, b["inputs"], b["positions"], b["segment_ids"])
+    want = _logits(m, params, b)
     choice = P.uniform_choice(m, 2, 64)
     cm = P.child_config(m, choice)
-    got = build_model(cm).apply({"params": P.child_params(m, params, vparams, choice)}, b["inputs"],
-                                b["positions"], b["segment_ids"])
+    got = _logits(cm, P.child_params(m, params, vparams, choice), b)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     choice = [(1, "linear"), ("noop", 16)]
     cm = P.child_config(m, choice)
@@ -119,8 +124,7 @@ def test_a_child_of_the_parents_blocks_is_the_parent_and_others_run(parent, trai
     for layer in range(2):
         one = [(2, 64)] * 2
         one[layer] = (1, "linear")
-        lg = build_model(P.child_config(m, one)).apply({"params": P.child_params(m, params, vparams, one)},
-                                                       b["inputs"], b["positions"], b["segment_ids"])
+        lg = _logits(P.child_config(m, one), P.child_params(m, params, vparams, one), b)
         lp, lq = jax.nn.log_softmax(want, -1), jax.nn.log_softmax(lg, -1)
         w = np.asarray(b["segment_ids"] > 0)
         kl = float((np.asarray(jnp.sum(jnp.exp(lp) * (lp - lq), -1)) * w).sum() / w.sum())
@@ -147,8 +151,7 @@ def test_the_searched_child_meets_its_budgets(parent, trained, scoring):
                if all(sum(lib[layer][n]["stats"][k] for layer, n in enumerate(names)) <= budget[f"stats.{k}"]
                       for k in ("params", "kv_bytes")))
     np.testing.assert_allclose(value, best[0], rtol=1e-9)
-    build_model(P.child_config(m, choice)).apply({"params": P.child_params(m, params, vparams, choice)},
-                                                 _batch(2)["inputs"])
+    _logits(P.child_config(m, choice), P.child_params(m, params, vparams, choice), _batch(2))
 
 
 def test_bad_variants_and_parents_fail_clearly():

@@ -136,7 +136,7 @@ def test_rope_tables_computed_once_per_layer():
     c = load_config("configs/lm.py:tiny", unlocked=True).model
     model = build_model(c)
     tokens = jnp.zeros((2, 12), jnp.int32)
-    params = jax.jit(model.init)(jax.random.key(0), tokens)["params"]
+    params = jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]  # compiled, never run
 
     def loss(p):
         return jnp.mean(model.apply({"params": p}, tokens) ** 2)
@@ -151,11 +151,11 @@ def test_causal_attention_row_scale_equals_scaled_queries():
     default path with q multiplied by row_scale * sqrt(K), values and q/k/v gradients."""
     q, k, v, mask, do = _inputs()
     rs = jnp.asarray([0.2, 0.05])
-    got, vjp_got = jax.vjp(lambda q, k, v: A.causal_attention(q, k, v, mask, None, 4, row_scale=rs), q, k, v)
+    got, g_got = _jit_vjp(lambda q, k, v: A.causal_attention(q, k, v, mask, None, 4, row_scale=rs), (q, k, v), do)
     f = (rs * K ** 0.5)[:, None, None, None, None]
-    want, vjp_want = jax.vjp(lambda q, k, v: A.causal_attention(q * f, k, v, mask, None, 4), q, k, v)
+    want, g_want = _jit_vjp(lambda q, k, v: A.causal_attention(q * f, k, v, mask, None, 4), (q, k, v), do)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    for a, b in zip(vjp_got(do), vjp_want(do)):
+    for a, b in zip(g_got, g_want):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-6)
 
 
@@ -174,11 +174,11 @@ def test_rms_norm_values_and_vjp_equal_autodiff(shape, dtype):
     x = jax.random.normal(kx, shape, dtype)
     g = 1 + 0.1 * jax.random.normal(kg, shape[-1:])
     dy = jax.random.normal(kd, shape, dtype)
-    want, vjp_want = jax.vjp(lambda x, g: _rms_autodiff(x, g, 1e-5, dtype), x, g)
-    got, vjp_got = jax.vjp(lambda x, g: rms_norm(x, g, 1e-5, dtype), x, g)
+    want, g_want = _jit_vjp(lambda x, g: _rms_autodiff(x, g, 1e-5, dtype), (x, g), dy)
+    got, g_got = _jit_vjp(lambda x, g: rms_norm(x, g, 1e-5, dtype), (x, g), dy)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == jnp.float32 else dict(rtol=2e-2, atol=2e-2)
     np.testing.assert_allclose(np.float32(got), np.float32(want), **tol)
-    for a, b in zip(vjp_got(dy), vjp_want(dy)):
+    for a, b in zip(g_got, g_want):
         assert a.dtype == b.dtype and a.shape == b.shape
         np.testing.assert_allclose(np.float32(a), np.float32(b), **tol)
 

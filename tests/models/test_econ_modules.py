@@ -62,12 +62,13 @@ def test_belief_network_ignores_right_padding():
     the last real token is pooled (the reference's row-0 mask gives NaN on padded batches)."""
     net = M.BeliefNetwork(vocab_size=16, hidden_dim=16, belief_dim=8, heads=2, layers=2, max_len=8)
     toks = jnp.array([[5, 6, 7, 0, 0], [3, 9, 4, 11, 2]])
-    params = net.init(jax.random.key(0), toks)
-    padded = net.apply(params, toks)
-    alone = net.apply(params, toks[:1, :3])
+    apply = jax.jit(net.apply)  # one compile per shape: the padded batch [2, 5], the row alone [1, 3]
+    params = jax.jit(net.init)(jax.random.key(0), toks)
+    padded = apply(params, toks)
+    alone = apply(params, toks[:1, :3])
     for k in ("belief", "q", "temperature", "top_p"):
         np.testing.assert_allclose(padded[k][0], alone[k][0], rtol=1e-5, atol=1e-6, err_msg=k)
         assert np.isfinite(np.asarray(padded[k])).all()
     # a real token's change does move the belief (the comparison has teeth)
-    other = net.apply(params, toks.at[0, 2].set(8))
+    other = apply(params, toks.at[0, 2].set(8))
     assert np.abs(np.asarray(other["belief"][0] - padded["belief"][0])).max() > 1e-4
