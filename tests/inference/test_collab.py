@@ -162,7 +162,10 @@ def test_edge_cases_and_counts():
         collab.Combiner("mix")
 
 
+@functools.lru_cache(maxsize=None)
 def _tiny(seed, **model):
+    """(model config, params) of the tiny decoder with ``model`` overrides, made once per module
+    (read them, never change them in place)."""
     from icml_jax.config_utils import load_config
     from icml_jax.models.decoder import build_model
     cfg = load_config("configs/lm.py:tiny", unlocked=True).model
@@ -177,14 +180,14 @@ def test_flax_models_greedy_cos_equals_collaborative_and_rollback_is_exact():
     """Two decoders of different depth: greedy CoS equals greedy collaborative decoding; after a
     rollback the cache gives the logits of a cache that never saw the dropped tokens."""
     (ca, pa), (cb, pb) = _tiny(0, num_layers=1), _tiny(1, num_layers=2)
+    # every model below is a fresh fork of these two: forks share the compiled steps
+    a, b = collab.FlaxLM(ca, pa, 64), collab.FlaxLM(cb, pb, 64)
     comb = collab.Combiner("we", weight_a=0.5)
-    ref = collab.collaborative_decode([collab.FlaxLM(ca, pa, 64), collab.FlaxLM(cb, pb, 64)], [1, 5, 9], 16, comb,
-                                      temperature=0)
+    ref = collab.collaborative_decode([a.fork(), b.fork()], [1, 5, 9], 16, comb, temperature=0)
     st = {}
-    got = collab.speculative_decode([collab.FlaxLM(ca, pa, 64), collab.FlaxLM(cb, pb, 64)], [1, 5, 9], 16, comb,
-                                    gamma=3, temperature=0, stats=st)
+    got = collab.speculative_decode([a.fork(), b.fork()], [1, 5, 9], 16, comb, gamma=3, temperature=0, stats=st)
     assert got == ref and st["rounds"] < 16
-    lm, fresh = collab.FlaxLM(cb, pb, 64), collab.FlaxLM(cb, pb, 64)
+    lm, fresh = b.fork(), b.fork()
     lm.feed([1, 5, 9, 20, 30, 40])
     lm.rollback(4)
     got = lm.feed([7, 8])
@@ -291,14 +294,14 @@ def test_flax_lm_of_a_scanned_model_decodes_unrolled_with_the_same_logits():
     got = lm.feed([1, 5, 9, 20])
     assert "layers" not in lm.params and {"layer_0", "layer_1"} <= set(lm.params)
     assert not any("layers" in jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(lm.cache))
-    want = build_model(cfg).apply({"params": params}, jnp.asarray([[1, 5, 9, 20]]))[0]
+    want = jax.jit(build_model(cfg).apply)({"params": params}, jnp.asarray([[1, 5, 9, 20]]))[0]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_flax_lm_refuses_an_evicting_kv_policy():
     """A policy cache keeps what it chose, which rollback by pointer cannot undo: a clear error."""
     import ml_collections
-    cfg, params = _tiny(0)
+    cfg, params = _tiny(1, num_layers=2)  # the model of the rollback test, made once
     cfg = ml_collections.ConfigDict(cfg.to_dict())
     cfg.kv_policy = dict(name="h2o", slots=16, window=4)
     with pytest.raises(ValueError, match="kv_policy.name='h2o'.*rollback"):

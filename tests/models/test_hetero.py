@@ -1,6 +1,10 @@
 """Per-layer block layouts (models/hetero.py): the parent's own layout is the parent, parameter
 counts are exact, KV-cache decoding equals the full forward, bad layouts fail before any work,
-and a heterogeneous run resumes exactly."""
+and a heterogeneous run resumes exactly.
+
+Inits and forwards are jitted (tests/README.md: an eager init compiles every primitive), and each
+layout's init is made once per module (``_init``)."""
+import functools
 import os
 import shutil
 
@@ -27,8 +31,21 @@ def _cfg(attention="", ffn=""):
 TOKENS = jnp.asarray(np.random.RandomState(0).randint(3, 250, (2, 12)))
 
 
+_INITS = {}  # model config (JSON) -> its params
+
+
 def _init(m):
-    return meta.unbox(build_model(m).init(jax.random.key(1), TOKENS)["params"])
+    """``m``'s params for ``TOKENS``' shape (one jitted init per distinct model config, shared by
+    the tests: read them, never change them in place)."""
+    key = m.to_json_best_effort(sort_keys=True)
+    if key not in _INITS:
+        _INITS[key] = meta.unbox(jax.jit(build_model(m).init)(jax.random.key(1), TOKENS)["params"])
+    return _INITS[key]
+
+
+def _forward(m, params, tokens, **kw):
+    """``build_model(m).apply({"params": params}, tokens, **kw)``, jitted."""
+    return jax.jit(functools.partial(build_model(m).apply, **kw))({"params": params}, tokens)
 
 
 def test_the_parents_own_layout_is_the_parent():
@@ -36,8 +53,8 @@ def test_the_parents_own_layout_is_the_parent():
     p = _init(parent)
     same = _cfg("2,2", "64,64")
     assert hetero.is_hetero(same) and not hetero.is_hetero(parent)
-    want = build_model(parent).apply({"params": p}, TOKENS)
-    got = build_model(same).apply({"params": p}, TOKENS)
+    want = _forward(parent, p, TOKENS)
+    got = _forward(same, p, TOKENS)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert standard_param_count(same) == standard_param_count(parent)
     assert train_flops_per_token(same, 12) == train_flops_per_token(parent, 12)
@@ -70,7 +87,7 @@ def test_param_count_is_exact_and_variants_have_their_shapes(attention, ffn):
 def test_noop_layers_leave_the_stream_alone_and_hidden_states_are_sown():
     m = _cfg("noop,noop", "noop,noop")
     p = _init(m)
-    logits, st = build_model(m).apply({"params": p}, TOKENS, mutable=["hidden"])
+    logits, st = _forward(m, p, TOKENS, mutable=["hidden"])
     emb = p["io"]["embedding"][TOKENS]
     for i in range(2):
         np.testing.assert_array_equal(np.asarray(st["hidden"][f"h_{i}"][0]), np.asarray(emb))
@@ -83,7 +100,7 @@ def test_kv_cache_decoding_equals_the_full_forward():
     prompt = [5, 6, 7, 8, 9]
     out = generate(m, p, [prompt, [11, 12]], key=jax.random.key(0), max_new_tokens=5, temperature=0)
     seq = jnp.asarray([prompt + list(out.tokens[0])])
-    full = build_model(m).apply({"params": p}, seq)
+    full = _forward(m, p, seq)
     np.testing.assert_array_equal(np.argmax(np.asarray(full[0, len(prompt) - 1:-1]), -1), out.tokens[0])
 
 
@@ -101,12 +118,36 @@ def test_bad_layouts_fail_with_the_key(attention, ffn, extra, msg):
         contract.validate(m)
 
 
-def test_a_heterogeneous_run_resumes_exactly(tmp_path, session_tfds_dir):
+def test_save_initial_writes_a_step_0_run_that_trains_and_resumes_exactly(tmp_path,
+                                                                          session_tfds_dir):
+    """save_initial writes step 0 of a heterogeneous run (and refuses a used workdir and params
+    of another layout); the trainer resumes that run from step 0; a copy of it stopped after
+    step 2 resumes exactly (the same losses and params). One run serves both properties."""
+    from icml_jax.train import trainer
+    from icml_jax.train.checkpoint import restore_model_params
+    from tests.train.helpers import cli_config
     args = ("--config.train.steps=4", "--config.train.checkpoint_every=2", "--config.train.eval_every=4",
             "--config.train.samples=0", "--config.model.blocks.attention=1,linear",
             "--config.model.blocks.ffn=noop,32")
+    cfg = cli_config("configs/lm.py:tiny", *args)
+    cfg.data.data_dir = session_tfds_dir
+    params = _init(cfg.model)
+    params = jax.tree.map(lambda x: np.asarray(x) + 0.5, params)  # not what a fresh init would make
     ref = tmp_path / "ref"
-    state, _ = train_in_process(ref, *args, data_dir=session_tfds_dir, with_state=True)
+    trainer.save_initial(cfg, str(ref), params)
+    got, step = restore_model_params(str(ref), cfg.model)
+    assert step == 0
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), got, params)
+    with pytest.raises(ValueError, match="already holds checkpoints"):
+        trainer.save_initial(cfg, str(ref), params)
+    bad = _cfg("2,2", "64,64")
+    with pytest.raises(ValueError, match="do not fit config.model"):
+        cfg2 = cli_config("configs/lm.py:tiny", *args[:4])
+        trainer.save_initial(cfg2, str(tmp_path / "other"), _init(bad) | {"extra": {"w": np.zeros(2)}})
+    assert not os.path.exists(tmp_path / "other")
+
+    state, summary = train_in_process(ref, *args, data_dir=session_tfds_dir, with_state=True)
+    assert summary["start_step"] == 0 and os.path.exists(ref / "checkpoints" / "2")
     assert state.params["layer_1"]["attn"]["kernel"].shape == (32, 32)
     stopped = tmp_path / "stopped"
     shutil.copytree(ref, stopped)
@@ -120,33 +161,6 @@ def test_a_heterogeneous_run_resumes_exactly(tmp_path, session_tfds_dir):
     assert os.path.exists(stopped / "checkpoints" / "4")
 
 
-def test_save_initial_writes_a_step_0_run_that_resumes_and_initialises(tmp_path, session_tfds_dir):
-    from icml_jax.train import trainer
-    from icml_jax.train.checkpoint import restore_model_params
-    from tests.train.helpers import cli_config
-    args = ("--config.train.steps=2", "--config.train.checkpoint_every=2", "--config.train.eval_every=2",
-            "--config.train.samples=0", "--config.model.blocks.attention=1,linear",
-            "--config.model.blocks.ffn=noop,32")
-    cfg = cli_config("configs/lm.py:tiny", *args)
-    cfg.data.data_dir = session_tfds_dir
-    params = _init(cfg.model)
-    params = jax.tree.map(lambda x: np.asarray(x) + 0.5, params)  # not what a fresh init would make
-    wd = str(tmp_path / "child")
-    trainer.save_initial(cfg, wd, params)
-    got, step = restore_model_params(wd, cfg.model)
-    assert step == 0
-    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), got, params)
-    with pytest.raises(ValueError, match="already holds checkpoints"):
-        trainer.save_initial(cfg, wd, params)
-    bad = _cfg("2,2", "64,64")
-    with pytest.raises(ValueError, match="do not fit config.model"):
-        cfg2 = cli_config("configs/lm.py:tiny", *args[:4])
-        trainer.save_initial(cfg2, str(tmp_path / "other"), _init(bad) | {"extra": {"w": np.zeros(2)}})
-    assert not os.path.exists(tmp_path / "other")
-    summary = train_in_process(wd, *args, data_dir=session_tfds_dir)
-    assert summary["start_step"] == 0 and os.path.exists(os.path.join(wd, "checkpoints", "2"))
-
-
 def test_counts_include_qkv_biases_and_a_model_without_attention_decodes():
     m = _cfg("1,2", "32,64")
     m.qkv_bias = True
@@ -157,7 +171,7 @@ def test_counts_include_qkv_biases_and_a_model_without_attention_decodes():
     m = _cfg("linear,noop", "32,noop")  # no softmax attention anywhere: no KV cache at all
     p = _init(m)
     out = generate(m, p, [[5, 6, 7]], key=jax.random.key(0), max_new_tokens=3, temperature=0)
-    full = build_model(m).apply({"params": p}, jnp.asarray([[5, 6, 7] + list(out.tokens[0])]))
+    full = _forward(m, p, jnp.asarray([[5, 6, 7] + list(out.tokens[0])]))
     np.testing.assert_array_equal(np.argmax(np.asarray(full[0, 2:-1]), -1), out.tokens[0])
 
 

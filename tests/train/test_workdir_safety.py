@@ -100,10 +100,45 @@ def _resume_matches(wd, reference, data_dir, start):
                                [want[s] for s in range(start + 1, 13)], rtol=1e-6)
 
 
-def test_refused_runs_touch_nothing_and_a_correct_rerun_resumes(stopped, reference, data_dir):
+def _rewrite_in_the_older_prng_key_layout(wd, c):
+    """Rewrites ``wd``'s step 10 as a run wrote it while the train state still held a PRNG key
+    (advanced, never read); a restore without that layout then names the leaf."""
+    import orbax.checkpoint as ocp
+    abstract = trainer.setup(c, tasks.TASKS.get("lm")(c)).abstract
+    ckpt = ckpt_lib.Checkpointer(str(wd / "checkpoints"), async_save=False)
+    try:
+        state, step = ckpt.restore_latest(abstract, None)
+        items = ckpt.manager.restore(step, args=ocp.args.Composite(
+            data_state=ocp.args.JsonRestore(), config=ocp.args.JsonRestore()))
+    finally:
+        ckpt.close()
+    assert step == 10
+    shutil.rmtree(wd / "checkpoints" / "10")
+    old = trainer._TrainStateWithKey(state.step, state.params, state.opt_state,
+                                     jnp.asarray([0, 7], jnp.uint32))
+    manager = ocp.CheckpointManager(str(wd / "checkpoints"), item_handlers={
+        "state": ocp.StandardCheckpointHandler(), "data_state": ocp.JsonCheckpointHandler(),
+        "config": ocp.JsonCheckpointHandler()})
+    manager.save(10, args=ocp.args.Composite(state=ocp.args.StandardSave(old),
+                                             data_state=ocp.args.JsonSave(items["data_state"]),
+                                             config=ocp.args.JsonSave(items["config"])))
+    manager.wait_until_finished()
+    manager.close()
+    ckpt = ckpt_lib.Checkpointer(str(wd / "checkpoints"), async_save=False)
+    try:
+        with pytest.raises(ckpt_lib.CheckpointMismatchError, match=r"in the checkpoint but not in this model: rng"):
+            ckpt.restore_latest(abstract, None)
+    finally:
+        ckpt.close()
+
+
+def test_refused_runs_touch_nothing_and_a_correct_rerun_resumes(stopped, reference, data_dir,
+                                                                tiny_config):
     """Through the CLI: a changed model (point 1: not corruption) and a second run while the
     workdir is locked (point 2) stop in one line with every file as it was; a run killed while
-    holding the lock leaves none behind; the correct rerun then resumes from step 10."""
+    holding the lock leaves none behind. Then step 10 is rewritten as a checkpoint of the older
+    layout with a PRNG key: the correct rerun resumes from it (one resume checks both: the
+    refused runs left a resumable run, and the older layout restores and resumes exactly)."""
     before = _snapshot(stopped)
     p = run_main(str(stopped), *SHORT, "--config.model.d_model=64", "--config.seed=3",
                  check=False, data_dir=data_dir, timeout=120)
@@ -125,6 +160,7 @@ def test_refused_runs_touch_nothing_and_a_correct_rerun_resumes(stopped, referen
         workdir_lib.WorkdirLock(str(stopped)).acquire()
     holder.kill()
     holder.wait()
+    _rewrite_in_the_older_prng_key_layout(stopped, tiny_config)
     _resume_matches(stopped, reference, data_dir, start=10)  # takes the lock itself
 
 
@@ -139,41 +175,6 @@ def test_changed_state_or_data_keys_are_refused(stopped, data_dir, override, key
         train_in_process(stopped, *SHORT, override, data_dir=data_dir)
     assert key in str(e.value)
     assert _snapshot(stopped) == before
-
-
-def test_a_step_with_the_older_prng_key_resumes_exactly(stopped, reference, data_dir, tiny_config):
-    """Checkpoints written while the train state still held a PRNG key (advanced, never read)
-    restore through that layout and resume the run exactly; without the layout the restore names
-    the leaf."""
-    import orbax.checkpoint as ocp
-    c = tiny_config
-    abstract = trainer.setup(c, tasks.TASKS.get("lm")(c)).abstract
-    ckpt = ckpt_lib.Checkpointer(str(stopped / "checkpoints"), async_save=False)
-    try:
-        state, step = ckpt.restore_latest(abstract, None)
-        items = ckpt.manager.restore(step, args=ocp.args.Composite(
-            data_state=ocp.args.JsonRestore(), config=ocp.args.JsonRestore()))
-    finally:
-        ckpt.close()
-    assert step == 10
-    shutil.rmtree(stopped / "checkpoints" / "10")  # rewritten as an older run wrote it
-    old = trainer._TrainStateWithKey(state.step, state.params, state.opt_state,
-                                     jnp.asarray([0, 7], jnp.uint32))
-    manager = ocp.CheckpointManager(str(stopped / "checkpoints"), item_handlers={
-        "state": ocp.StandardCheckpointHandler(), "data_state": ocp.JsonCheckpointHandler(),
-        "config": ocp.JsonCheckpointHandler()})
-    manager.save(10, args=ocp.args.Composite(state=ocp.args.StandardSave(old),
-                                             data_state=ocp.args.JsonSave(items["data_state"]),
-                                             config=ocp.args.JsonSave(items["config"])))
-    manager.wait_until_finished()
-    manager.close()
-    ckpt = ckpt_lib.Checkpointer(str(stopped / "checkpoints"), async_save=False)
-    try:
-        with pytest.raises(ckpt_lib.CheckpointMismatchError, match=r"in the checkpoint but not in this model: rng"):
-            ckpt.restore_latest(abstract, None)
-    finally:
-        ckpt.close()
-    _resume_matches(stopped, reference, data_dir, start=10)
 
 
 def test_structure_mismatch_found_by_the_checkpoint_itself(stopped, tiny_config):
