@@ -38,7 +38,7 @@ PRESETS = {
         b=dict(model=dict(d_model=48, num_layers=2, num_heads=2, num_kv_heads=2, head_dim=24, ffn_dim=96)),
         train=dict(data=dict(seq_len=64), train=dict(steps=16, batch_size=4, warmup_steps=2, log_every=8,
                                                       eval_every=16, eval_batches=2, checkpoint_every=16)),
-        prompts=2, new_tokens=12, seeds=(0,), gamma=3, we_weight=0.7, cd_alpha=0.1, cost_repeats=5),
+        prompts=1, new_tokens=12, seeds=(0,), gamma=3, we_weight=0.7, cd_alpha=0.1, cost_repeats=5),
     "default": preset(
         a=dict(model=dict(d_model=64, num_layers=2, num_heads=2, num_kv_heads=2, head_dim=32, ffn_dim=192)),
         # b as configs/lm.py:20m (17.9M params, 68 MiB of float32 weights, twice this CPU's 32 MiB

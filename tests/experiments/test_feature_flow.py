@@ -46,13 +46,16 @@ def test_topic_corpus_and_word_rate():
 
 def test_folding_the_input_scale_reads_the_models_units():
     from icml_jax.models.sae import SAE
-    x = jax.random.normal(jax.random.key(0), (5, 8)) * 7.0
-    for sae in (study.sae_module(8, 16, 3), SAE(d_model=8, latents=16, k=3)):  # with and without pre_bias
+    c = 3.5
+
+    def outputs(sae):  # one jitted program per SAE: init, the SAE on x / c, the folded SAE on x
+        x = jax.random.normal(jax.random.key(0), (5, 8)) * 7.0
         p = sae.init(jax.random.key(1), x)["params"]
         p = {**p, "b_enc": jnp.linspace(-0.2, 0.2, 16), "b_dec": jnp.linspace(-1, 1, 8)}
-        c = 3.5
-        xh, z = sae.apply({"params": p}, x / c)
-        xh_f, z_f = sae.apply({"params": study.fold_scale(p, c)}, x)
+        return sae.apply({"params": p}, x / c), sae.apply({"params": study.fold_scale(p, c)}, x)
+
+    for sae in (study.sae_module(8, 16, 3), SAE(d_model=8, latents=16, k=3)):  # with and without pre_bias
+        (xh, z), (xh_f, z_f) = jax.jit(lambda: outputs(sae))()
         assert (np.asarray(z) > 0).sum() > 0
         np.testing.assert_allclose(z_f, c * z, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(xh_f, c * xh, rtol=1e-5, atol=1e-5)

@@ -50,8 +50,9 @@ def test_chain_pieces():
 def test_sampled_sequences_stay_in_their_chain():
     import jax
     P = toy.transition_matrix(1, 3, 4, 0.5)
-    toks, chains = toy.sample_batch(jax.random.PRNGKey(0), np.log(np.maximum(P, 1e-30)),
-                                    np.log(toy.chain_probs(0.5, 3)), 256, 12, 4)
+    sample = jax.jit(toy.sample_batch, static_argnums=(3, 4, 5))  # as the study calls it: inside jit
+    toks, chains = sample(jax.random.PRNGKey(0), np.log(np.maximum(P, 1e-30)),
+                          np.log(toy.chain_probs(0.5, 3)), 256, 12, 4)
     toks, chains = np.asarray(toks), np.asarray(chains)
     assert toks.shape == (256, 12)
     np.testing.assert_array_equal(toks // 4, np.repeat(chains[:, None], 12, 1))
@@ -113,7 +114,7 @@ def test_clean_ce_compiles_once_for_every_alpha_and_equals_the_edited_model():
     from icml_jax.losses.logps import token_logprobs
     from icml_jax.models import build_model
     m = load_config("configs/lm.py:tiny").model
-    params = meta.unbox(build_model(m).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
+    params = meta.unbox(jax.jit(build_model(m).init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
     toks = jnp.asarray(np.random.default_rng(0).integers(3, 250, (3, 17)), jnp.int32)
     rng = np.random.default_rng(1)
     dirs = rng.normal(size=(m.num_layers, m.num_heads, m.head_dim)).astype(np.float32)
@@ -125,11 +126,12 @@ def test_clean_ce_compiles_once_for_every_alpha_and_equals_the_edited_model():
     assert lm._ce_fn.cache_info().misses - before == 1
     static, _ = iti.iti_edits(m, heads, dirs, sig, 2.0, positions="all").split()
     assert lm._ce_fn(ml_collections.FrozenConfigDict(m), static)._cache_size() == 1  # one trace
+
+    def reference_ce(edits=None):  # the edited model itself (its shifts compiled in), jitted
+        lp = jax.jit(lambda p, x: token_logprobs(build_model(m, edits=edits).apply({"params": p}, x[:, :-1]),
+                                                 x[:, 1:]))(params, toks)
+        return -float(np.asarray(lp).mean())
     for a, ce in got.items():
-        ed = iti.iti_edits(m, heads, dirs, sig, a, positions="all")
-        lp = token_logprobs(build_model(m, edits=ed).apply({"params": params}, toks[:, :-1]), toks[:, 1:])
-        assert ce == pytest.approx(-float(np.asarray(lp).mean()), rel=1e-6)
+        assert ce == pytest.approx(reference_ce(iti.iti_edits(m, heads, dirs, sig, a, positions="all")), rel=1e-6)
     assert got[2.0] != got[5.0]
-    assert lm.clean_ce(m, params, toks) == pytest.approx(
-        -float(np.asarray(token_logprobs(build_model(m).apply({"params": params}, toks[:, :-1]),
-                                         toks[:, 1:])).mean()), rel=1e-6)
+    assert lm.clean_ce(m, params, toks) == pytest.approx(reference_ce(), rel=1e-6)
