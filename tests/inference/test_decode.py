@@ -29,15 +29,27 @@ def _model(position="rope", scan_layers=False, window=0, seed=0, scale=4.0):
 def _built_model(position, scan_layers, window, seed, scale):
     cfg = load_config("configs/lm.py:tiny", unlocked=True).model
     cfg.position, cfg.scan_layers, cfg.sliding_window = position, scan_layers, window
+    return cfg, _init_params(cfg, seed, scale)
+
+
+def _init_params(cfg, seed, scale=4.0):
+    """The params of ``build_model(cfg)``, scaled: larger weights than init_std give peaked,
+    well-separated logits (no argmax near-ties). The init is one jitted program (eagerly, every
+    primitive compiles on its own) with the seed and scale traced, shared by every config with the
+    same param tree: a sliding window and the parameter-free positions (RoPE, NoPE, ALiBi) add no
+    param, so those configs initialise as the RoPE model without a window."""
+    init_cfg = ml_collections.ConfigDict(cfg.to_dict())
+    init_cfg.sliding_window = 0
+    if init_cfg.position in ("rope", "nope", "alibi"):
+        init_cfg.position = "rope"
+    return _init_fn(ml_collections.FrozenConfigDict(init_cfg))(jax.random.key(seed), scale)
+
+
+@functools.cache
+def _init_fn(cfg: ml_collections.FrozenConfigDict):
     model = build_model(cfg)
-
-    @jax.jit
-    def init(key):
-        params = model.init(key, jnp.zeros((1, 8), jnp.int32))["params"]
-        # Larger weights than init_std give peaked, well-separated logits (no argmax near-ties).
-        return jax.tree.map(lambda x: x * scale, params)
-
-    return cfg, init(jax.random.key(seed))
+    return jax.jit(lambda key, scale: jax.tree.map(
+        lambda x: x * scale, model.init(key, jnp.zeros((1, 8), jnp.int32))["params"]))
 
 
 @functools.cache
@@ -81,10 +93,11 @@ def test_scanned_model_decodes_through_its_scanned_loop_when_asked():
     stacked cache; no per-layer weight copy): the same tokens and logits as the full forward, as
     the default unrolled decode gives them (``test_cached_greedy_equals_full_forward``)."""
     cfg, params = _model("rope", True, 5)
+    # the full forward ignores decode_unrolled: its reference shares the default config's compile
+    want, want_logits = _reference_greedy(cfg, params, PROMPT, 12)
     cfg.decode_unrolled = False
     decode_cfg, split = unrolled(cfg)
     assert split == 0 and decode_cfg.scan_layers
-    want, want_logits = _reference_greedy(cfg, params, PROMPT, 12)
     out = generate(cfg, params, [PROMPT], key=jax.random.key(0), max_new_tokens=12, temperature=0,
                    return_logits=True)
     np.testing.assert_array_equal(out.tokens[0], want)
@@ -320,7 +333,7 @@ def test_decode_loop_updates_each_cache_once_and_copies_none(batch, kv_heads, sc
     from icml_jax.models import hooks
     cfg = load_config("configs/lm.py:tiny", unlocked=True).model
     cfg.update(dict(num_layers=2, num_heads=2 * kv_heads, num_kv_heads=kv_heads, scan_layers=scan))
-    params = jax.tree.map(lambda x: x * 4.0, build_model(cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
+    params = _init_params(cfg, seed=0)
     assert ("layers" in params) == scan
     if batch == 1 and kv_heads == 1:
         want, want_logits = _reference_greedy(cfg, params, PROMPT, 6)

@@ -1,4 +1,8 @@
-"""The static-slot KV policies keep exactly the set their rule names (brute-force NumPy references)."""
+"""The static-slot KV policies keep exactly the set their rule names (brute-force NumPy references).
+
+Everything a test computes with JAX runs jitted (eagerly, every primitive compiles on its own)."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -96,13 +100,19 @@ def test_budget_at_least_the_sequence_evicts_nothing():
 
 def test_morph_scores_without_old_slots_are_not_nan():
     policy = kp.KVPolicy("morphkv", window=4)
+
+    @jax.jit
+    def write_and_observe(state, t):
+        state = kp.write(policy, state, kp.choose_slot(policy, state, t), t)
+        return kp.observe(policy, state, jnp.zeros((2, 8)), jnp.zeros((2, 8)))
+
     state = kp.init_state(policy, (2,), 8)
     for t in range(3):  # three tokens, all inside the window: no old slot yet
-        state = kp.write(policy, state, kp.choose_slot(policy, state, t), t)
-        state = kp.observe(policy, state, jnp.zeros((2, 8)), jnp.zeros((2, 8)))
-    s = kp.morph_scores(policy, state, 3)
+        state = write_and_observe(state, jnp.int32(t))
+    s, slot = jax.jit(lambda st, t: (kp.morph_scores(policy, st, t), kp.choose_slot(policy, st, t)))(
+        state, jnp.int32(3))
     assert not np.isnan(np.asarray(s)).any() and np.isneginf(np.asarray(s)).all()
-    np.testing.assert_array_equal(kp.choose_slot(policy, state, 3), [3, 3])
+    np.testing.assert_array_equal(slot, [3, 3])
 
 
 def _causal_logits(P, seed):
@@ -128,6 +138,11 @@ def _morph_first_step_keep(z, N, W, fuse):
     return np.sort(np.concatenate([top, np.arange(P - W, P)]))
 
 
+# the policy and the slot count are static (they fix the shapes): one program per policy and shape
+_prefill_keep = jax.jit(kp.prefill_keep, static_argnums=(0, 1))
+_prefill_select = jax.jit(kp.prefill_select, static_argnums=(0, 1))
+
+
 def test_prefill_keep_matches_numpy_rules():
     P, N, W = 40, 16, 6
     z = _causal_logits(P, 4)
@@ -145,7 +160,7 @@ def test_prefill_keep_matches_numpy_rules():
         pool_avg = lambda obs: np.convolve(np.pad(obs, pool // 2), np.ones(pool) / pool, mode="valid")  # noqa: E731
         top = np.argsort(-pool_avg(ps[P - W:, :P - W].sum(0)), kind="stable")[:N - W]
         want = np.sort(np.concatenate([top, np.arange(P - W, P)]))
-        np.testing.assert_array_equal(kp.prefill_keep(pol, N, probs_PP=jnp.asarray(ps, jnp.float32)), want)
+        np.testing.assert_array_equal(_prefill_keep(pol, N, probs_PP=jnp.asarray(ps, jnp.float32)), want)
         spilled = np.argsort(-pool_avg(ps[P - W:].sum(0))[:P - W], kind="stable")[:N - W]
         assert set(spilled) != set(top), pool
     # morphkv: the reference's first decode step after the uncompressed prompt (N - 1 kept)
@@ -153,16 +168,16 @@ def test_prefill_keep_matches_numpy_rules():
         pol = kp.KVPolicy("morphkv", window=W, fuse=fuse)
         want = _morph_first_step_keep(z, N, W, fuse)
         assert len(want) == N - 1
-        np.testing.assert_array_equal(kp.prefill_keep(pol, N, logits_PP=jnp.asarray(z, jnp.float32)), want)
+        np.testing.assert_array_equal(_prefill_keep(pol, N, logits_PP=jnp.asarray(z, jnp.float32)), want)
     # a prompt no longer than the slots is kept whole, for both fusions
     for fuse in ("sum", "max"):
         for n in (1, W, W + 1, N):
-            idx, chosen = kp.prefill_select(kp.KVPolicy("morphkv", window=W, fuse=fuse), N, jnp.arange(n),
+            idx, chosen = _prefill_select(kp.KVPolicy("morphkv", window=W, fuse=fuse), N, jnp.arange(n),
                                             jnp.ones(n, bool), logits_PP=jnp.asarray(z[:n, :n], jnp.float32))
             np.testing.assert_array_equal(idx, np.arange(n))
             assert bool(chosen.all())
     # streaming: sinks and the latest
-    got = kp.prefill_keep(kp.KVPolicy("streaming", sinks=4), N, logits_PP=jnp.asarray(z))
+    got = _prefill_keep(kp.KVPolicy("streaming", sinks=4), N, logits_PP=jnp.asarray(z))
     np.testing.assert_array_equal(got, list(range(4)) + list(range(P - (N - 4), P)))
 
 
@@ -181,15 +196,12 @@ def test_morphkv_prompt_then_decode_matches_the_reference_with_gqa():
     pos = np.arange(P + steps)[None].astype(np.int32)
     seg = np.ones_like(pos)
     pol = kp.KVPolicy("morphkv", slots=N, window=W, fuse="sum")
-    mod = PolicyKVCache(pol)
-    no_bias = lambda a, b: None  # noqa: E731
+    init, step = _cache_fns(PolicyKVCache(pol))
     sl = lambda x, a, b: jnp.asarray(x[:, a:b])  # noqa: E731
-    cache = mod.init(jax.random.key(0), sl(q, 0, P), sl(k, 0, P), sl(v, 0, P), sl(pos, 0, P),
-                     sl(seg, 0, P), no_bias)["cache"]
+    cache = init(sl(q, 0, P), sl(k, 0, P), sl(v, 0, P), sl(pos, 0, P), sl(seg, 0, P))
     kept = []
     for a, b in [(0, P)] + [(t, t + 1) for t in range(P, P + steps)]:
-        _, upd = mod.apply({"cache": cache}, sl(q, a, b), sl(k, a, b), sl(v, a, b), sl(pos, a, b),
-                           sl(seg, a, b), no_bias, mutable=["cache"])
+        _, upd = step(cache, sl(q, a, b), sl(k, a, b), sl(v, a, b), sl(pos, a, b), sl(seg, a, b))
         cache = upd["cache"]
         slot_pos = np.asarray(cache["slot_pos"])[0]  # [G, N]
         kept.append([sorted(int(x) for x in row if x >= 0) for row in slot_pos])
@@ -223,11 +235,7 @@ def test_a_left_padded_batch_of_mixed_prompt_lengths_equals_each_row_alone(name)
     for b, n in enumerate(lens):
         pos[b, P - n:] = np.arange(n + steps)
         seg[b, P - n:] = 1
-    mod = PolicyKVCache(kp.KVPolicy(name, slots=N, window=W, sinks=2))
-
-    no_bias = lambda *_: None  # noqa: E731
-    init = jax.jit(lambda *x: mod.init(jax.random.key(0), *x, no_bias)["cache"])  # one program per shape
-    step = jax.jit(lambda cache, *x: mod.apply({"cache": cache}, *x, no_bias, mutable=["cache"]))
+    init, step = _cache_fns(PolicyKVCache(kp.KVPolicy(name, slots=N, window=W, sinks=2)))
 
     def run(arrs, prompt):
         part = lambda a, b: [jnp.asarray(x[:, a:b]) for x in arrs]  # noqa: E731
@@ -250,6 +258,16 @@ def test_a_left_padded_batch_of_mixed_prompt_lengths_equals_each_row_alone(name)
         if name == "morphkv":
             free = (kept[0][b] < 0).sum(-1)
             np.testing.assert_array_equal(free, 1 if n > N else N - n)
+
+
+def _cache_fns(mod):
+    """(init, step) of a ``PolicyKVCache`` without a position bias, each one jitted program per shape:
+    ``init(q, k, v, pos, seg)`` -> its cache, ``step(cache, q, k, v, pos, seg)`` -> (output,
+    {"cache": updated cache}) for a prefill or a decode call."""
+    no_bias = lambda *_: None  # noqa: E731
+    init = jax.jit(lambda *x: mod.init(jax.random.key(0), *x, no_bias)["cache"])
+    step = jax.jit(lambda cache, *x: mod.apply({"cache": cache}, *x, no_bias, mutable=["cache"]))
+    return init, step
 
 
 def _reference_prompt_decode(policy, N, L, P):
@@ -292,11 +310,19 @@ PROMPTS = [[1, 40, 51, 62, 73, 84, 95, 17, 23, 31, 45, 58], [1, 9, 27, 81]]
 N_NEW = 12
 
 
-def _lm(**model):
+def _lm(scan_layers=False, position="rope"):
+    """(config.model, params) of the tiny decoder: params built once per setting, a fresh copy of
+    the config every call."""
+    cfg, params = _built_lm(scan_layers, position)
+    return ml_collections_copy(cfg), params
+
+
+@functools.cache
+def _built_lm(scan_layers, position):
     from icml_jax.config_utils import load_config
     from icml_jax.models.decoder import build_model
     cfg = load_config("configs/lm.py:tiny", unlocked=True).model
-    cfg.update(model)
+    cfg.update(dict(scan_layers=scan_layers, position=position))
     m = build_model(cfg)
     params = jax.jit(lambda key: jax.tree.map(lambda x: x * 4.0, m.init(key, jnp.zeros((1, 8), jnp.int32))["params"]))(
         jax.random.key(0))
@@ -364,10 +390,11 @@ def test_scored_decode_equals_the_full_forward_and_a_sliding_window_model():
     toks = np.asarray(jax.random.randint(jax.random.key(7), (2, 24), 1, cfg.vocab_size))
 
     def forward_lp(c, argmax=False):
-        logits = build_model(c).apply({"params": params}, jnp.asarray(toks))
-        lp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), -1)
-        got = np.take_along_axis(np.asarray(lp), toks[:, 1:, None], -1)[..., 0]
-        return (got, np.asarray(lp).argmax(-1)) if argmax else got
+        model = build_model(c)
+        lp = np.asarray(jax.jit(lambda p, t: jax.nn.log_softmax(
+            model.apply({"params": p}, t)[:, :-1].astype(jnp.float32), -1))(params, jnp.asarray(toks)))
+        got = np.take_along_axis(lp, toks[:, 1:, None], -1)[..., 0]
+        return (got, lp.argmax(-1)) if argmax else got
 
     ref, ref_top = forward_lp(cfg, argmax=True)
     lp, top = scored_decode(cfg, params, toks, prompt_len=5, return_argmax=True)

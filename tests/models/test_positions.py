@@ -67,8 +67,15 @@ def _decode(dec, params, cache, tokens, positions, segment_ids):
     return logits, m["cache"]
 
 
-def _init_params(model, tokens, seed):
-    return nn.meta.unbox(jax.jit(model.init)(jax.random.key(seed), tokens)["params"])
+def _init_params(cfg, seed):
+    """The params of ``build_model(cfg)`` (they do not depend on the input's shape): one jitted init
+    per (config, seed), shared by the tests that use it."""
+    return _init_frozen(ml_collections.FrozenConfigDict(cfg), seed)
+
+
+@functools.cache
+def _init_frozen(cfg, seed):
+    return nn.meta.unbox(jax.jit(build_model(cfg).init)(jax.random.key(seed), jnp.zeros((1, 8), jnp.int32))["params"])
 
 
 @jax.jit
@@ -248,7 +255,7 @@ def test_fope_gradient_and_optimizer_freeze(learnable):
     c.model.fope.learnable = learnable
     model = build_model(c.model)
     tok = jax.random.randint(jax.random.key(0), (2, 16), 0, 200)
-    params = _init_params(model, tok, 1)
+    params = _init_params(c.model, 1)
     c.train.weight_decay = 0.5
     tx = make_optimizer(c.train, model_cfg=c.model)
 
@@ -275,7 +282,7 @@ def test_fope_context_extension(fresh):
     c = load_config("configs/lm.py:tiny", unlocked=True)
     c.model.position, c.model.head_dim, c.model.max_seq_len = "fope", 64, 512
     c.model.train_seq_len = 128
-    params = _init_params(build_model(c.model), jnp.zeros((1, 8), jnp.int32), 1)
+    params = _init_params(c.model, 1)
     c.model.train_seq_len = 1024
     c.model.max_seq_len = 1024
     new = jax.jit(lambda p, key: P.extend_fope_params(p, c.model, key, fresh_init=fresh))(
@@ -347,7 +354,7 @@ def _lm(position, seed=0):
     c.position, c.head_dim, c.train_seq_len, c.max_seq_len = position, 16, 32, 64
     c = ml_collections.FrozenConfigDict(c)
     model = build_model(c)
-    params = _init_params(model, jnp.zeros((1, 8), jnp.int32), seed)
+    params = _init_params(c, seed)
     # larger weights than init -> position effects are visible in the logits
     params = jax.jit(lambda ps: jax.tree_util.tree_map_with_path(
         lambda p, x: x if "position" in jax.tree_util.keystr(p) else x * 3.0, ps))(params)
@@ -379,11 +386,11 @@ def test_kv_cache_decoding_at_offset_equals_full_forward(position):
     decode the rest one at a time; logits equal one full forward over the same positions. Also a
     cache with a stale other-document prefix in front (segment 2 at slots 0..2)."""
     c, model, params = _lm(position)
-    T, off, pre = 14, 9, 5
+    T, off, pre = 18, 9, 5  # T and the segment ids as the packed test's: its compiled full forward
     # numpy inputs: slicing them per step compiles nothing
     tok = np.asarray(jax.random.randint(jax.random.key(4), (1, T), 3, 259))
     pos = off + np.arange(T)[None]
-    full = _forward(model, params, tok, pos)
+    full = _forward(model, params, tok, pos, np.ones((1, T), np.int32))
     dec = build_model(c, decode=True)
     for lead in (0, 3):
         cache = init_cache(dec, 1, lead + T)
@@ -403,7 +410,7 @@ def test_kv_cache_decoding_at_offset_equals_full_forward(position):
 
 def test_methods_differ_from_each_other():
     """Guards against a registry entry silently aliasing another."""
-    tok = jax.random.randint(jax.random.key(4), (1, 20), 3, 259)
+    tok = jax.random.randint(jax.random.key(4), (1, 11), 3, 259)  # the packed test's 2nd document's shape
     outs = {}
     for p in METHODS:
         _, model, params = _lm(p)

@@ -39,15 +39,17 @@ def _cfg(**model):
 
 
 def _init(m, B=2, T=12, seed=0):
-    """(model, params, tokens); init runs as one jitted program, once per (config, shapes, seed)."""
-    return (build_model(m),) + _init_params(ml_collections.FrozenConfigDict(m), B, T, seed)
+    """(model, params, tokens [B, T] drawn with ``seed``); the params depend on the config alone
+    (not on the input's shape), so init runs as one jitted program once per config."""
+    m = ml_collections.FrozenConfigDict(m)
+    tokens = jax.random.randint(jax.random.key(seed), (B, T), 0, m.vocab_size)
+    return build_model(m), _init_params(m), tokens
 
 
 @functools.cache
-def _init_params(m, B, T, seed):
-    tokens = jax.random.randint(jax.random.key(seed), (B, T), 0, m.vocab_size)
-    params = jax.jit(lambda t: nn.meta.unbox(build_model(m).init(jax.random.key(1), t)["params"]))(tokens)
-    return params, tokens
+def _init_params(m):
+    return jax.jit(lambda t: nn.meta.unbox(build_model(m).init(jax.random.key(1), t)["params"]))(
+        jnp.zeros((1, 8), jnp.int32))
 
 
 def _param_shapes(m, B=2, T=12):
@@ -65,7 +67,13 @@ def _randomise(params, seed=0, scale=0.5):
 
 
 def _forward(m):
-    """model.apply as one jitted program (tokens, then optional positions and segment ids)."""
+    """model.apply as one jitted program (tokens, then optional positions and segment ids), one
+    per config: tests of the same config and shapes share its compile."""
+    return _forward_fn(ml_collections.FrozenConfigDict(m))
+
+
+@functools.cache
+def _forward_fn(m):
     model = build_model(m)
     return jax.jit(lambda p, *inputs: model.apply({"params": p}, *inputs))
 
@@ -148,7 +156,7 @@ def test_parity_breaks_without_inverse_layer_scaling():
 
 class RMTForwardTest(chex.TestCase):
 
-    @chex.variants(with_jit=True, without_jit=True)
+    @chex.variants(with_jit=True)  # eager apply runs the same code (and compiles every primitive)
     def test_shapes_dtype_and_zero_logits_at_init(self):
         """muP init has a zero unembedding, so logits are exactly 0 and CE = log V."""
         for qz in (False, True):
@@ -214,7 +222,7 @@ def test_packed_documents_are_isolated():
 def test_causal_query_blocks_match_one_block():
     """config.model.attention_block (T=12, blocks of 3 -> 4 blocks) gives the one-block logits and
     gradients, with packed documents and the ALiBi bias, and fewer compiled FLOPs."""
-    m = _cfg(attention_block=0).model
+    m = _cfg().model  # attention_block is set below (it changes no param)
     _, params, tokens = _init(m, B=1, T=12)
     params = _randomise(params)
     seg = jnp.array([[1] * 5 + [2] * 7])
@@ -585,8 +593,6 @@ def _store_retrieve_inputs(seed=0, B=2, T=3, E=5, K=4, R=3):
 def test_store_add_and_retrieve_match_einsum_values_and_gradients():
     """The fused store (X + Σ_r v_r ⊗ s_r) and the transpose-free retrieval give the einsums'
     values and vector-Jacobian products (fp32 to 1e-5), and the bfloat16 residual rounds once."""
-    x, v, s, a, g = _store_retrieve_inputs()
-
     def ours(x, v, s, a):
         y = rmt.store_add(x, v, s, jnp.float32)
         return rmt.retrieve(y, a)
@@ -595,25 +601,28 @@ def test_store_add_and_retrieve_match_einsum_values_and_gradients():
         y = x + jnp.einsum("BTRE,RK->BTEK", v, s)
         return jnp.einsum("BTEK,KR->BTRE", y, a)
 
-    want, vjp_want = jax.vjp(einsums, x, v, s, a)
-    got, vjp_got = jax.vjp(ours, x, v, s, a)
+    @jax.jit
+    def run(x, v, s, a, g):  # every value and gradient checked below, as one program
+        want, vjp_want = jax.vjp(einsums, x, v, s, a)
+        got, vjp_got = jax.vjp(ours, x, v, s, a)
+        ct = jax.random.normal(jax.random.key(9), want.shape)
+        xb = x.astype(jnp.bfloat16)
+        yb, vjp_b = jax.vjp(lambda x, v, s: rmt.store_add(x, v, s, jnp.bfloat16), xb, v, s)
+        yb_want = (xb.astype(jnp.float32) + jnp.einsum("BTRE,RK->BTEK", v, s)).astype(jnp.bfloat16)
+        gb = g.astype(jnp.bfloat16)
+        _, vjp_f = jax.vjp(lambda v, s: jnp.einsum("BTRE,RK->BTEK", v, s), v, s)
+        return (got, want, vjp_got(ct), vjp_want(ct), yb, yb_want, vjp_b(gb), vjp_f(gb.astype(jnp.float32)))
+
+    got, want, grads_got, grads_want, yb, yb_want, (dx, dv, ds), grads_f = run(*_store_retrieve_inputs())
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    ct = jax.random.normal(jax.random.key(9), want.shape)
-    for gw, gg in zip(vjp_want(ct), vjp_got(ct)):
+    for gw, gg in zip(grads_want, grads_got):
         np.testing.assert_allclose(gg, gw, rtol=1e-5, atol=1e-5)
     # bfloat16 residual: summed in float32, rounded once; gradients come back in the inputs' dtypes
-    xb = x.astype(jnp.bfloat16)
-    yb, vjp_b = jax.vjp(lambda x, v, s: rmt.store_add(x, v, s, jnp.bfloat16), xb, v, s)
     assert yb.dtype == jnp.bfloat16
-    np.testing.assert_array_equal(np.asarray(yb.astype(jnp.float32)),
-                                  np.asarray((xb.astype(jnp.float32) + jnp.einsum("BTRE,RK->BTEK", v, s))
-                                             .astype(jnp.bfloat16).astype(jnp.float32)))
-    gb = g.astype(jnp.bfloat16)
-    dx, dv, ds = vjp_b(gb)
+    np.testing.assert_array_equal(np.asarray(yb.astype(jnp.float32)), np.asarray(yb_want.astype(jnp.float32)))
     assert (dx.dtype, dv.dtype, ds.dtype) == (jnp.bfloat16, jnp.float32, jnp.float32)
     # the float32 operands stay float32 in the backward dots (only the cotangent is bfloat16)
-    _, vjp_f = jax.vjp(lambda v, s: jnp.einsum("BTRE,RK->BTEK", v, s), v, s)
-    for got_, want_ in zip((dv, ds), vjp_f(gb.astype(jnp.float32))):
+    for got_, want_ in zip((dv, ds), grads_f):
         np.testing.assert_allclose(got_, want_, rtol=1e-5, atol=1e-5)
 
 
@@ -625,7 +634,8 @@ def test_train_step_makes_no_transposed_copy_of_the_residual():
     residual add)."""
     m = _cfg(num_layers=2, num_heads=2, num_kv_heads=2, head_dim=6, ffn_dim=20, vocab_size=61,
              rmt=dict(key_dim=5)).model
-    model, params, tokens = _init(m, B=2, T=7)
+    model, params = build_model(m), _param_shapes(m)  # compiled only, never run: shapes suffice
+    tokens = jax.random.randint(jax.random.key(0), (2, 7), 0, m.vocab_size)
     N = 2 * 7 * 6
 
     def loss(p):
@@ -694,10 +704,15 @@ def test_matrix_norm_equals_its_formula(kind, dtype):
         y = y * jax.lax.rsqrt(jnp.mean(y * y, axis=(-2, -1), keepdims=True) + eps)
         return (y * g).astype(dtype)
 
+    @jax.jit
+    def values_and_grads(x, g, dy):
+        (a, va), (b, vb) = jax.vjp(ours, x, g), jax.vjp(formula, x, g)
+        return a, b, va(dy.astype(dtype)), vb(dy.astype(dtype))
+
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == jnp.float32 else dict(rtol=2e-2, atol=2e-2)
-    (a, va), (b, vb) = jax.vjp(ours, x, g), jax.vjp(formula, x, g)
+    a, b, grads_ours, grads_formula = values_and_grads(x, g, dy)
     assert a.dtype == b.dtype == dtype
     np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), **tol)
-    for u, w in zip(va(dy.astype(dtype)), vb(dy.astype(dtype))):
+    for u, w in zip(grads_ours, grads_formula):
         assert u.dtype == w.dtype
         np.testing.assert_allclose(np.asarray(u, np.float32), np.asarray(w, np.float32), **tol)
