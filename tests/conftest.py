@@ -1,8 +1,9 @@
 """Shared fixtures, and what keeps ``make test`` (``pytest -n 2``) inside its budget (tests/README.md):
 
 * ``tests/jax_env.py`` is configured before anything imports JAX: XLA optimisation level 0 for
-  tests, and one persistent compilation cache for the session (JAX's 1 s threshold), shared by the
-  xdist workers and every subprocess a test starts (they inherit the environment; those that need
+  tests, and one persistent compilation cache for the session (JAX's 1 s threshold; 0 s inside
+  ``jax_env.caching_every_compilation``, which the session runs below use), shared by the xdist
+  workers and every subprocess a test starts (they inherit the environment; those that need
   fake devices build it with ``jax_env.subprocess_env``). The cache folder is created by the first
   pytest process that loads this file (the xdist controller, whose environment the workers
   inherit) and removed when it exits; set ``JAX_COMPILATION_CACHE_DIR`` to use (and keep) a folder
@@ -63,7 +64,7 @@ def session_tfds_dir(tmp_path_factory):
 
 def _build(tmp_path_factory, tfds_dir, name, fn):
     folder = str(tmp_path_factory.mktemp(name))
-    with pytest.MonkeyPatch.context() as mp:
+    with pytest.MonkeyPatch.context() as mp, jax_env.caching_every_compilation():  # its runs share shapes
         mp.setenv("TFDS_DATA_DIR", tfds_dir)
         fn(folder)
     return folder

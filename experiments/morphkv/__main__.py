@@ -50,7 +50,9 @@ PRESETS = {
                               checkpoint_every=12)),
         seq_len=96, pairs=6, num_keys=8, num_values=4, gap=(8, 16), pure=0.5, train_docs=64, eval_docs=4, seeds=(0,),
         budgets=(24,), window=8, window_ablation=(4,), ablation_budget=24, sinks=4, gate=0.9,
-        topic_text=(6, 12), topic_first=(2, 4), topic_gap=(3, 6), topic_queries=3, topic_prompt=4),
+        # topic prompt = the block testbed's (bos + block of 6 pairs + its 2 marks): one compiled
+        # scorer per policy serves both testbeds
+        topic_text=(8, 12), topic_first=(2, 4), topic_gap=(3, 6), topic_queries=3, topic_prompt=9),
     "default": preset(
         model=dict(model=dict(d_model=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, ffn_dim=384)),
         train=dict(train=dict(steps=1000, batch_size=16, lr=3e-3, warmup_steps=100, log_every=100, eval_every=500,

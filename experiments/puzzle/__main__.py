@@ -48,7 +48,7 @@ from experiments.common import (gate_lines, git_commit, markdown_table, mean_spr
 QUIET = {"train.samples": 0, "train.progress": False}
 PRESETS = {
     "tiny": preset(
-        run=dict(model=dict(d_model=32, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8, ffn_dim=64,
+        run=dict(model=dict(d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, ffn_dim=64,
                             max_seq_len=64),
                  data=dict(seq_len=32),
                  train=dict(steps=30, batch_size=8, lr=1e-2, warmup_steps=3, log_every=10, eval_every=30,

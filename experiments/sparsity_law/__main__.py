@@ -57,8 +57,9 @@ PROTOCOLS = ("fixed", "per_checkpoint")
 PRESETS = {
     # seeds; evaluated checkpoints (log-spaced multiples of eval_grain); CETT slice; dense-PPL
     # slice; CETT-PPL-p% settings; the protocol and its settings
+    # (tiny: the dense-PPL slice in the CETT slice's batch shape, so one compiled pass serves both)
     "tiny": preset(seeds=(0,), eval_points=5, eval_grain=5, cett_batches=2, cett_batch_size=4,
-                   ppl_batches=2, ppl_batch_size=8, p=1.0, tol=1e-6, protocol="fixed", last_checkpoints=2,
+                   ppl_batches=4, ppl_batch_size=4, p=1.0, tol=1e-6, protocol="fixed", last_checkpoints=2,
                    search_tol=1e-3, cett_digits=4, control_seeds=(0,), stability=True),
     "default": preset(seeds=(0, 1, 2), eval_points=10, eval_grain=20, cett_batches=16, cett_batch_size=16,
                       ppl_batches=16, ppl_batch_size=32, p=1.0, tol=1e-6, protocol="fixed",
