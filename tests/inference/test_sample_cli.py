@@ -66,26 +66,22 @@ def test_cli_prints_continuations(workdir):
     assert samples[0] != samples[1]  # two samples of one prompt draw different tokens
 
 
-def test_cli_greedy_is_deterministic(workdir):
+def test_cli_greedy_is_deterministic_and_falls_back_to_previous_step(workdir, tmp_path):
     """temperature=0: every sample of a prompt is the same continuation (sampled rows of one
-    batch draw different tokens, as test_cli_prints_continuations' do)."""
-    a = _cli(f"--checkpoint={workdir}", "--prompt=KING", "--max_new_tokens=12", "--temperature=0",
-             "--num_samples=3", "--seed=9")
-    assert a.returncode == 0, a.stderr
-    texts = a.stdout.split("--- sample ")[1:]
-    assert len(texts) == 3 and len({t.split("---\n", 1)[1] for t in texts}) == 1
-
-
-def test_cli_falls_back_to_previous_step(workdir, tmp_path):
+    batch draw different tokens, as test_cli_prints_continuations' do). One run checks both: its
+    workdir's latest step is corrupt, so the CLI falls back to step 1."""
     wd = tmp_path / "copy"
     shutil.copytree(workdir, wd)
     for root, _, files in os.walk(wd / "checkpoints" / "2" / "state"):
         for name in files:  # corrupt every file of the latest step's state
             with open(os.path.join(root, name), "wb") as f:
                 f.write(b"garbage")
-    r = _cli(f"--checkpoint={wd}", "--prompt=ROMEO.", "--max_new_tokens=8")
+    r = _cli(f"--checkpoint={wd}", "--prompt=KING", "--max_new_tokens=12", "--temperature=0",
+             "--num_samples=3", "--seed=9")
     assert r.returncode == 0, r.stderr
     assert "checkpoints/2 could not be restored" in r.stderr and "step 1" in r.stdout
+    texts = r.stdout.split("--- sample ")[1:]
+    assert len(texts) == 3 and len({t.split("---\n", 1)[1] for t in texts}) == 1
 
 
 def test_cli_errors(workdir, tmp_path):

@@ -56,6 +56,11 @@ SHARED = {
 }
 
 
+# notebooks that train their own run and check nothing that needs the user-facing step count
+# (interpretability: 150 steps; its cells and assertions run the same on a 20-step model)
+STEPS = {"interpretability.ipynb": 20}
+
+
 def _param(path):
     name = os.path.basename(path)
     marks = [pytest.mark.xdist_group(SHARED[name][0])] if name in SHARED else []
@@ -65,6 +70,8 @@ def _param(path):
 @pytest.mark.parametrize("path", [_param(p) for p in NOTEBOOKS])
 def test_notebook_executes(path, tmp_path, monkeypatch, request):
     monkeypatch.setenv("TFDS_DATA_DIR", str(tmp_path / "tfds"))
+    if os.path.basename(path) in STEPS:
+        monkeypatch.setenv("ICML_JAX_STEPS", str(STEPS[os.path.basename(path)]))
     work, stamps = None, {}
     if os.path.basename(path) in SHARED:
         fixture, prepare, cached = SHARED[os.path.basename(path)]
