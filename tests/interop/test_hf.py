@@ -398,23 +398,25 @@ _SHARDED = textwrap.dedent("""
     from icml_jax.interop import load_hf
     from icml_jax.models import build_model
     from icml_jax.sharding import make_mesh
-    path, scan = sys.argv[1], sys.argv[2] == "1"
+    path = sys.argv[1]
     assert jax.device_count() == 8, jax.device_count()
     mesh = make_mesh(ml_collections.ConfigDict(dict(data=2, fsdp=2, tensor=2)))
-    cfg, params = load_hf(path, mesh=mesh, scan_layers=scan)
+    tokens = np.asarray(json.loads(sys.argv[2]))
     out = {}
-    for leaf in ["io/embedding", "io/lm_head", ("layers" if scan else "layer_0") + "/attn/qkv",
-                 ("layers" if scan else "layer_0") + "/mlp/wi"]:
-        node = params
-        for k in leaf.split("/"):
-            node = node[k]
-        spec = [list(a) if isinstance(a, tuple) else a for a in node.sharding.spec]
-        out[leaf] = [spec + [None] * (node.ndim - len(spec)), len(node.sharding.device_set),
-                     node.addressable_shards[0].data.shape]
-    tokens = np.asarray(json.loads(sys.argv[3]))
-    with mesh:
-        logits = jax.jit(lambda p, t: build_model(cfg).apply({"params": p}, t))(params, tokens)
-    out["logits"] = np.asarray(logits).tolist()
+    for scan in (False, True):  # both layouts in one process (a JAX start costs 5-10 CPU-s)
+        cfg, params = load_hf(path, mesh=mesh, scan_layers=scan)
+        res = out["scan" if scan else "loop"] = {}
+        for leaf in ["io/embedding", "io/lm_head", ("layers" if scan else "layer_0") + "/attn/qkv",
+                     ("layers" if scan else "layer_0") + "/mlp/wi"]:
+            node = params
+            for k in leaf.split("/"):
+                node = node[k]
+            spec = [list(a) if isinstance(a, tuple) else a for a in node.sharding.spec]
+            res[leaf] = [spec + [None] * (node.ndim - len(spec)), len(node.sharding.device_set),
+                         node.addressable_shards[0].data.shape]
+        with mesh:
+            logits = jax.jit(lambda p, t: build_model(cfg).apply({"params": p}, t))(params, tokens)
+        res["logits"] = np.asarray(logits).tolist()
     try:  # 2 kv heads cannot split over tensor=4: clear error before any tensor is read
         load_hf(path, mesh=make_mesh(ml_collections.ConfigDict(dict(data=1, fsdp=2, tensor=4))))
     except ValueError as e:
@@ -423,29 +425,31 @@ _SHARDED = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("scan", [False, True], ids=["loop", "scan"])
-def test_sharded_load_on_8_fake_devices(saved, scan):
+def test_sharded_load_on_8_fake_devices(saved):
+    """load_hf onto a data x fsdp x tensor mesh of 8 fake devices, with and without scanned layers
+    (one subprocess runs both): the leaves' shardings follow the rules and the logits match HF."""
     path, ref = saved("llama_untied")
     env = subprocess_env(8)
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, "-c", _SHARDED, path, "1" if scan else "0",
-                        json.dumps(_tokens().tolist())], capture_output=True, text=True, env=env,
-                       timeout=300)
+    r = subprocess.run([sys.executable, "-c", _SHARDED, path, json.dumps(_tokens().tolist())],
+                       capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(r.stdout.split("RESULT", 1)[1])
-    lead = [None] if scan else []  # the stacked layer axis is replicated ("layers" -> None)
-    # rules: embed->fsdp, vocab/mlp/kv_heads->tensor; each shard holds 1/4 of the [V, D] table
-    assert out["io/embedding"] == [["tensor", "fsdp"], 8, [V // 2, 32]]
-    assert out["io/lm_head"] == [["fsdp", "tensor"], 8, [32, V // 2]]
-    layer = "layers" if scan else "layer_0"
-    assert out[f"{layer}/attn/qkv"] == [lead + ["fsdp", "tensor", None, None], 8,
-                                        ([2] if scan else []) + [32, 1, 4, 16]]
-    assert out[f"{layer}/mlp/wi"] == [lead + ["fsdp", None, "tensor"], 8,
-                                      ([2] if scan else []) + [32, 2, 48]]
-    np.testing.assert_allclose(np.asarray(out["logits"]), ref, atol=1e-4, rtol=0)
-    assert "do not divide evenly over mesh {'data': 1, 'fsdp': 2, 'tensor': 4}" in out["indivisible_error"]
-    assert "layer_0/attn/" in out["indivisible_error"]
+    result = json.loads(r.stdout.split("RESULT", 1)[1])
+    for scan in (False, True):
+        out = result["scan" if scan else "loop"]
+        lead = [None] if scan else []  # the stacked layer axis is replicated ("layers" -> None)
+        # rules: embed->fsdp, vocab/mlp/kv_heads->tensor; each shard holds 1/4 of the [V, D] table
+        assert out["io/embedding"] == [["tensor", "fsdp"], 8, [V // 2, 32]]
+        assert out["io/lm_head"] == [["fsdp", "tensor"], 8, [32, V // 2]]
+        layer = "layers" if scan else "layer_0"
+        assert out[f"{layer}/attn/qkv"] == [lead + ["fsdp", "tensor", None, None], 8,
+                                            ([2] if scan else []) + [32, 1, 4, 16]]
+        assert out[f"{layer}/mlp/wi"] == [lead + ["fsdp", None, "tensor"], 8,
+                                          ([2] if scan else []) + [32, 2, 48]]
+        np.testing.assert_allclose(np.asarray(out["logits"]), ref, atol=1e-4, rtol=0)
+    assert "do not divide evenly over mesh {'data': 1, 'fsdp': 2, 'tensor': 4}" in result["indivisible_error"]
+    assert "layer_0/attn/" in result["indivisible_error"]
 
 
 # ---------------------------------------------------------------------------------------- tokenizer

@@ -32,8 +32,9 @@ def _cfg(attention, ffn, heads=8, kv_heads=4, layers=3, qkv_bias=False):
 
 
 def _random_params(m, seed=0):
-    """Non-trivial values everywhere (norms around 1, biases and kernels around 0)."""
-    p = meta.unbox(build_model(m).init(jax.random.key(seed), jnp.asarray(TOKENS))["params"])
+    """Non-trivial values everywhere (norms around 1, biases and kernels around 0). Every value is
+    drawn here, so the init only gives the tree's shapes: traced abstractly, nothing compiled."""
+    p = meta.unbox(jax.eval_shape(build_model(m).init, jax.random.key(seed), jnp.asarray(TOKENS))["params"])
     leaves, tree = jax.tree_util.tree_flatten_with_path(p)
     rng = np.random.RandomState(seed)
     out = []
