@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from icml_jax.analysis import sparsity as S
+from icml_jax.config_utils import load_config
 from icml_jax.models import build_model
 
 REF = os.path.join(os.path.dirname(__file__), "data", "cett_reference.npz")
@@ -237,6 +238,21 @@ def _model(tiny_config, activation="relu_glu", scan=False, init_std=0.02):
     return m, params, batch
 
 
+@pytest.fixture(scope="module")
+def tiny_model():
+    """``tiny_model(activation, scan, init_std)`` -> ``_model``'s (model, params, batch), built once
+    per setting for the module (each build compiles an init); the batch is a new dict each call."""
+    built = {}
+
+    def get(activation="relu_glu", scan=False, init_std=0.02):
+        key = (activation, scan, init_std)
+        if key not in built:
+            built[key] = _model(load_config("configs/lm.py:tiny", unlocked=True), *key)
+        m, params, batch = built[key]
+        return m, params, dict(batch)
+    return get
+
+
 def _dense_logits(m, params, batch):
     """The model's logits on ``batch``, compiled (one program, not one per op)."""
     return jax.jit(lambda p, *args: m.apply({"params": p}, *args))(
@@ -247,8 +263,8 @@ def _stack_layers(params, L):
     return {"io": params["io"], "layers": jax.tree.map(lambda *x: jnp.stack(x), *[params[f"layer_{i}"] for i in range(L)])}
 
 
-def test_collect_mlp_scan_and_loop_agree(tiny_config):
-    m, params, batch = _model(tiny_config)
+def test_collect_mlp_scan_and_loop_agree(tiny_config, tiny_model):
+    m, params, batch = tiny_model()
     layers = S.collect_mlp(m, params, batch)
     L = tiny_config.model.num_layers
     assert len(layers) == L
@@ -256,7 +272,7 @@ def test_collect_mlp_scan_and_loop_agree(tiny_config):
     for i, (a, w) in enumerate(layers):
         chex.assert_shape(a, (n_valid, tiny_config.model.ffn_dim))
         np.testing.assert_array_equal(w, params[f"layer_{i}"]["mlp"]["wo"])
-    m2, _, _ = _model(tiny_config, scan=True)
+    m2, _, _ = tiny_model(scan=True)
     layers2, sites = S.collect_mlp(m2, _stack_layers(params, L), batch, with_sites=True)
     assert sites.scanned and sites.paths == [("layers", "mlp")]
     for (a, w), (a2, w2) in zip(layers, layers2):
@@ -277,9 +293,9 @@ def test_thresholds_tree_layout(tiny_config, scan):
 
 
 @pytest.mark.parametrize("scan", [False, True])
-def test_sparse_pass_at_zero_is_dense(tiny_config, scan):
+def test_sparse_pass_at_zero_is_dense(tiny_model, scan):
     """all thresholds 0 => bit-identical logits; the kept ratio is 1 for SiLU."""
-    m, params, batch = _model(tiny_config, "swiglu", scan)
+    m, params, batch = tiny_model("swiglu", scan)
     args = batch["inputs"], batch["positions"], batch["segment_ids"]
     dense = _dense_logits(m, params, batch)
     sparse = jax.jit(S.sparse_logits, static_argnums=0)(m, params, [0.0, 0.0], *args)
@@ -288,10 +304,10 @@ def test_sparse_pass_at_zero_is_dense(tiny_config, scan):
 
 
 @pytest.mark.parametrize("scan", [False, True])
-def test_sparse_ratio_matches_threshold_rule(tiny_config, scan):
+def test_sparse_ratio_matches_threshold_rule(tiny_model, scan):
     """The model's kept fraction equals the zeroing rule applied to the collected dense acts for
     layer 0 (later layers see sparsified inputs)."""
-    m, params, batch = _model(tiny_config, "swiglu", scan)
+    m, params, batch = tiny_model("swiglu", scan)
     (a0, w0), _ = S.collect_mlp(m, params, batch)
     t0 = float(np.quantile(S.neuron_output_norms(a0, w0), 0.6))
     logits, keeps = jax.jit(S.sparse_apply, static_argnums=0)(
@@ -302,9 +318,9 @@ def test_sparse_ratio_matches_threshold_rule(tiny_config, scan):
     assert S.activation_ratio_at(a0, w0, t0) == pytest.approx(keep0.mean(), abs=1e-12)
 
 
-def test_cett_ppl_search_properties(tiny_config):
+def test_cett_ppl_search_properties(tiny_config, tiny_model):
     """terminates with upper - lower <= tol; rho(lower) < 1 + p/100 <= rho(upper)."""
-    m, params, batch = _model(tiny_config, "relu_glu", init_std=0.3)
+    m, params, batch = tiny_model("relu_glu", init_std=0.3)
     logits = _dense_logits(m, params, batch)
     batch["targets"] = jnp.argmax(logits, -1)  # the dense model is right: sparsity must cost PPL
     p = 1.0
@@ -323,10 +339,10 @@ def test_cett_ppl_search_properties(tiny_config):
     assert loose["activation_ratio"] <= res["activation_ratio"]  # more PPL allowed -> sparser
 
 
-def test_cett_search_over_checkpoints_is_one_cett_on_the_mean_ppl_ratio(tiny_config):
+def test_cett_search_over_checkpoints_is_one_cett_on_the_mean_ppl_ratio(tiny_model):
     """The authors' protocol: bisection on the mean PPL ratio of several checkpoints, the result
     rounded to 4 decimals and applied to each checkpoint with that checkpoint's own thresholds."""
-    m, params, batch = _model(tiny_config, "relu_glu", init_std=0.3)
+    m, params, batch = tiny_model("relu_glu", init_std=0.3)
     batch["targets"] = jnp.argmax(_dense_logits(m, params, batch), -1)
     other = jax.tree_util.tree_map(lambda x: x * 1.3, params)  # a second, different "checkpoint"
     one = S.cett_ppl_search_checkpoints(m, [params], [batch], digits=None)
@@ -349,9 +365,9 @@ def test_cett_search_over_checkpoints_is_one_cett_on_the_mean_ppl_ratio(tiny_con
         S.cett_ppl_search_checkpoints(m, [], [batch])
 
 
-def test_fat_baseline(tiny_config):
+def test_fat_baseline(tiny_model):
     """FAT-0 removes exactly ReLU's zero gates (no PPL change); a huge eps removes everything."""
-    m, params, batch = _model(tiny_config, "relu_glu", init_std=0.3)
+    m, params, batch = tiny_model("relu_glu", init_std=0.3)
     fat0 = S.fat_baseline(m, params, [batch], 0.0)
     assert 0 < fat0["activation_ratio"] < 1
     assert fat0["ppl_ratio"] == pytest.approx(1.0, abs=1e-6)
@@ -361,8 +377,8 @@ def test_fat_baseline(tiny_config):
 
 
 @pytest.mark.parametrize("scope", ["global", "per_token"])
-def test_topk_baseline_keeps_fraction(tiny_config, scope):
-    m, params, batch = _model(tiny_config, "swiglu")  # no exact zeros in SiLU gates
+def test_topk_baseline_keeps_fraction(tiny_config, tiny_model, scope):
+    m, params, batch = tiny_model("swiglu")  # no exact zeros in SiLU gates
     k, F = 0.3, tiny_config.model.ffn_dim
     res = S.topk_baseline(m, params, [batch], k, scope)
     n = int((np.asarray(batch["segment_ids"]) > 0).sum())
@@ -370,8 +386,8 @@ def test_topk_baseline_keeps_fraction(tiny_config, scope):
     assert res["activation_ratio"] == pytest.approx(kept, abs=1e-9)
 
 
-def test_collect_gate_up_products(tiny_config):
-    m, params, batch = _model(tiny_config, "swiglu")
+def test_collect_gate_up_products(tiny_model):
+    m, params, batch = tiny_model("swiglu")
     acts = S.collect_mlp(m, params, batch)
     for (g, u), (a, _) in zip(S.collect_gate_up(m, params, batch), acts):
         np.testing.assert_allclose(g * u, a, rtol=1e-6, atol=1e-7)
@@ -380,7 +396,7 @@ def test_collect_gate_up_products(tiny_config):
 # ----------------------------------------------------------------------------- errors
 
 
-def test_errors(tiny_config):
+def test_errors(tiny_config, tiny_model):
     a, w = _random()
     for bad in (-0.1, 1.5, float("nan")):
         with pytest.raises(ValueError, match=r"target CETT must lie in \[0, 1\]"):
@@ -391,7 +407,7 @@ def test_errors(tiny_config):
         S.threshold_for_cett(a[:0], w, 0.1)
     with pytest.raises(ValueError, match="cett_threshold_index"):
         S.threshold_for_cett(a, w, 0.1, index_rule="next")
-    m, params, batch = _model(tiny_config, "relu")
+    m, params, batch = tiny_model("relu")
     with pytest.raises(ValueError, match="needs a gated"):
         S.collect_gate_up(m, params, batch)
     g, u = S.collect_gate_up(m, params, batch, require_gate=False)[0]

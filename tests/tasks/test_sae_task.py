@@ -15,6 +15,7 @@ from icml_jax.models.sae import SAE, unit_decoder
 from icml_jax.tasks import TaskContext
 from icml_jax.tasks.sae import SAETask
 from icml_jax.train import trainer
+from tests import jax_env
 from tests.tasks.helpers import restore_params, tiny_lm_run
 from tests.train.helpers import train_in_process, train_losses
 
@@ -41,24 +42,30 @@ def _config(source, tfds_dir, **sae):
 def test_topk_keeps_exactly_k_latents_and_decoder_rows_have_unit_norm():
     sae = SAE(d_model=8, latents=32, k=5)
     x = jax.random.normal(jax.random.key(0), (3, 7, 8))
-    params = sae.init(jax.random.key(1), x)["params"]
-    params = {**params, "b_enc": params["b_enc"] + 10.0}  # every pre-activation positive
-    x_hat, z = sae.apply({"params": params}, x)
+
+    @jax.jit  # every array checked below, from one compiled program
+    def run(x):
+        params = sae.init(jax.random.key(1), x)["params"]
+        params = {**params, "b_enc": params["b_enc"] + 10.0}  # every pre-activation positive
+        x_hat, z = sae.apply({"params": params}, x)
+        _, _, d = sae.apply({"params": params}, x, details=True)
+        scaled = {**params, "W_dec": params["W_dec"] * jnp.arange(1.0, 33.0)[:, None]}
+        g = jax.grad(lambda p: ((sae.apply({"params": p}, x)[0] - x) ** 2).sum())(params)
+        moved = jax.tree.map(lambda p, gp: p - 0.5 * gp, params, g)
+        return (x_hat, z, d["pre"], unit_decoder(scaled), sae.apply({"params": scaled}, x)[0],
+                unit_decoder(moved))
+
+    x_hat, z, pre, scaled_rows, scaled_x_hat, moved_rows = map(np.asarray, run(x))
     assert x_hat.shape == x.shape and z.shape == (3, 7, 32)
-    np.testing.assert_array_equal((np.asarray(z) != 0).sum(-1), 5)
+    np.testing.assert_array_equal((z != 0).sum(-1), 5)
     # the kept ones are the 5 largest pre-activations
-    _, _, d = sae.apply({"params": params}, x, details=True)
-    pre = np.asarray(d["pre"])
     np.testing.assert_array_equal(np.sort(np.where(z != 0, pre, -np.inf), -1)[..., -5:],
                                   np.sort(pre, -1)[..., -5:])
     # unit rows however the stored W_dec is scaled, and the SAE's function does not see the scale
-    scaled = {**params, "W_dec": params["W_dec"] * jnp.arange(1.0, 33.0)[:, None]}
-    np.testing.assert_allclose(np.linalg.norm(unit_decoder(scaled), axis=-1), 1.0, rtol=1e-6)
-    np.testing.assert_allclose(sae.apply({"params": scaled}, x)[0], x_hat, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.linalg.norm(scaled_rows, axis=-1), 1.0, rtol=1e-6)
+    np.testing.assert_allclose(scaled_x_hat, x_hat, rtol=1e-5, atol=1e-6)
     # ... also after an update of the stored rows
-    g = jax.grad(lambda p: ((sae.apply({"params": p}, x)[0] - x) ** 2).sum())(params)
-    moved = jax.tree.map(lambda p, gp: p - 0.5 * gp, params, g)
-    np.testing.assert_allclose(np.linalg.norm(unit_decoder(moved), axis=-1), 1.0, rtol=1e-6)
+    np.testing.assert_allclose(np.linalg.norm(moved_rows, axis=-1), 1.0, rtol=1e-6)
 
 
 def test_a_signed_identity_basis_with_k_equal_d_reconstructs_exactly():
@@ -179,7 +186,9 @@ def test_training_lowers_the_loss_and_a_resumed_run_repeats_it(source, session_t
     args = ("--config.sae.source=" + source, "--config.train.log_every=1",
             "--config.train.checkpoint_every=4", "--config.sae.aux_k=8")
     full = str(tmp_path / "full")
-    summary = train_in_process(full, *args, config="configs/sae.py:tiny", data_dir=session_tfds_dir)
+    with jax_env.caching_every_compilation():  # the resumed run below reads the same programs
+        summary = train_in_process(full, *args, config="configs/sae.py:tiny",
+                                   data_dir=session_tfds_dir)
     assert summary["step"] == 8 and "eval_perplexity" not in summary
     assert {"eval_mse", "eval_fvu", "eval_l0", "eval_dead", "eval_auxk"} <= set(summary)
     assert summary["eval_l0"] <= 4.0 + 1e-6
@@ -190,7 +199,8 @@ def test_training_lowers_the_loss_and_a_resumed_run_repeats_it(source, session_t
     resumed = str(tmp_path / "resumed")
     shutil.copytree(full, resumed)
     shutil.rmtree(os.path.join(resumed, "checkpoints", "8"))
-    again = train_in_process(resumed, *args, config="configs/sae.py:tiny", data_dir=session_tfds_dir)
+    with jax_env.caching_every_compilation():
+        again = train_in_process(resumed, *args, config="configs/sae.py:tiny", data_dir=session_tfds_dir)
     assert again["start_step"] == 4
     assert train_losses(resumed) == want
 

@@ -149,16 +149,20 @@ def test_loss_is_guided_loss_on_the_same_inputs(setup, byte_teacher, loss, swap)
     b = _batch(task)
     if swap:
         assert (b["voc_window"].sum(-1) > 1).mean() > 0.03
-    params = task.init_params(jax.random.key(1), b)
-    lsum, n, m = jax.jit(task.loss)(params, b)
-    model = build_model(c.model)
-    nll = -token_logprobs(model.apply({"params": params}, b["inputs"], b["positions"], b["segment_ids"]),
-                          b["targets"])
+    model, L = build_model(c.model), c.loss
+
+    @jax.jit  # the task's loss and the reference computation, one compiled program
+    def losses(b):
+        params = task.init_params(jax.random.key(1), b)
+        nll = -token_logprobs(model.apply({"params": params}, b["inputs"], b["positions"], b["segment_ids"]),
+                              b["targets"])
+        want = guided_loss(nll, b["teacher_loss"], b["voc_index"], b["voc_window"], b["voc_mapped"],
+                           b["segment_ids"] > 0, k_ratio=L.voc_k_ratio, agg=L.voc_agg,
+                           include_unmapped=L.voc_include_unmapped, scope=L.voc_select_scope)
+        return task.loss(params, b), nll, want
+
+    (lsum, n, m), nll, (want, wm) = losses(b)
     valid = b["segment_ids"] > 0
-    L = c.loss
-    want, wm = guided_loss(nll, b["teacher_loss"], b["voc_index"], b["voc_window"], b["voc_mapped"], valid,
-                           k_ratio=L.voc_k_ratio, agg=L.voc_agg, include_unmapped=L.voc_include_unmapped,
-                           scope=L.voc_select_scope)
     np.testing.assert_allclose(float(lsum / n), float(want), rtol=1e-5)
     np.testing.assert_allclose(float(m["selected_share"] / n), float(wm["selected_share"]), rtol=1e-6)
     mapped = np.asarray(b["voc_mapped"] & valid)
@@ -177,12 +181,17 @@ def test_arms_without_a_teacher(setup):
     assert "teacher_loss" not in tasks["ce"].train_arrays
     it = tasks["ce"].train_iterator(seed=0)
     b1 = jax.tree.map(jnp.asarray, next(it))
-    params = tasks["ce"].init_params(jax.random.key(2), b1)
     model = build_model(tasks["ce"].config.model)
-    nll = -token_logprobs(model.apply({"params": params}, b1["inputs"], b1["positions"], b1["segment_ids"]),
-                          b1["targets"])
+
+    @jax.jit  # one compiled program
+    def nll_and_ce_loss(b):
+        params = tasks["ce"].init_params(jax.random.key(2), b)
+        nll = -token_logprobs(model.apply({"params": params}, b["inputs"], b["positions"], b["segment_ids"]),
+                              b["targets"])
+        return nll, tasks["ce"].loss(params, b)
+
+    nll, (lsum, n, _) = nll_and_ce_loss(b1)
     valid = np.asarray(b1["segment_ids"] > 0)
-    lsum, n, _ = jax.jit(tasks["ce"].loss)(params, b1)
     assert n == valid.sum()
     np.testing.assert_allclose(float(lsum / n), float(nll[valid].mean()), rtol=1e-5)
     k = math.ceil(0.4 * valid.sum())
@@ -206,12 +215,18 @@ def test_rho1_is_the_identity_alignment(setup, byte_teacher):
     valid = a["segment_ids"] > 0
     assert (a["voc_mapped"] == valid).all() and (a["voc_window"].sum(-1) == valid).all()
     assert (a["voc_index"][..., 0] == np.arange(T)).all()
-    ref = -token_logprobs(tmodel.apply({"params": tparams}, a["inputs"][:8]), a["targets"][:8]) * valid[:8]
+    ref = jax.jit(lambda x, y: -token_logprobs(tmodel.apply({"params": tparams}, x), y))(
+        a["inputs"][:8], a["targets"][:8]) * valid[:8]
     np.testing.assert_allclose(a["teacher_loss"][:8], np.asarray(ref), rtol=1e-4, atol=1e-4)
     b = _batch(task)
-    params = task.init_params(jax.random.key(1), b)
-    nll = -token_logprobs(task.model.apply({"params": params}, b["inputs"]), b["targets"])
-    w = np.asarray(task.weights(nll, b)[0])
+
+    @jax.jit  # the student's NLL and the task's weights, one compiled program
+    def nll_and_weights(b):
+        params = task.init_params(jax.random.key(1), b)
+        nll = -token_logprobs(task.model.apply({"params": params}, b["inputs"]), b["targets"])
+        return nll, task.weights(nll, b)[0]
+
+    nll, w = map(np.asarray, nll_and_weights(b))
     excess = np.asarray(nll - b["teacher_loss"])
     vb = np.asarray(b["segment_ids"] > 0)
     assert w.sum() == math.ceil(0.4 * vb.sum()) and excess[w > 0].min() >= excess[vb & (w == 0)].max()

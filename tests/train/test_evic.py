@@ -16,6 +16,7 @@ from icml_jax.config_utils import load_config
 from icml_jax.data import multidomain
 from icml_jax.data.preference import SubsetIterator
 from icml_jax.train import evic, trainer
+from tests import jax_env
 from tests.train.helpers import train_losses
 
 B1, B2, EPS = 0.9, 0.95, 1e-8
@@ -47,13 +48,15 @@ def _stepped_adam_state(params, steps=3, seed=1):
 
 
 def _exact_features(loss, params, ex, direction=None):
-    """Per-example gradients one at a time (no vmap), flattened: the reference for the sketch."""
+    """Per-example gradients one at a time (no vmap; one compiled gradient reused for every
+    example), flattened: the reference for the sketch."""
+    @jax.jit
+    def one(example):
+        g = jax.grad(loss)(params, example)
+        return ravel_pytree(g)[0], ravel_pytree(direction(g) if direction else g)[0]
+
     n = jax.tree.leaves(ex)[0].shape[0]
-    a, b = [], []
-    for i in range(n):
-        g = jax.grad(loss)(params, jax.tree.map(lambda x: x[i], ex))
-        a.append(ravel_pytree(g)[0])
-        b.append(ravel_pytree(direction(g) if direction else g)[0])
+    a, b = zip(*[one(jax.tree.map(lambda x: x[i], ex)) for i in range(n)])
     return np.stack(a), np.stack(b)
 
 
@@ -93,22 +96,27 @@ def test_sgd_symmetric_adam_asymmetric_and_exact_without_projection():
     np.testing.assert_allclose(np.asarray(evic.influence(a, b)), adam.sum(0), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["rademacher", "countsketch"])
-def test_sketch_error_shrinks_with_k(kind):
+def _sketched_interactions(params, ex, kind, k, seeds):
+    """Int under the ``kind`` sketch of width ``k``, one matrix per seed: the seeds' random tables
+    are a vmapped argument, so all of them run in one compiled program."""
+    tables = jax.tree.map(lambda *t: jnp.stack(t),
+                          *[evic.make_sketch(params, kind, k, seed=s).tables for s in seeds])
+
+    def one(t):
+        return evic.interactions(*evic.features(_softmax_loss, params, ex, evic.Sketch(kind, k, t)))
+    return np.asarray(jax.jit(jax.vmap(one))(tables))
+
+
+def test_sketch_error_shrinks_with_k():
     params, ex = _linear(n=10, d=40, v=25)  # 1,025 parameters
-    a, b = evic.features(_softmax_loss, params, ex, evic.make_sketch(params, "none"))
-    exact = np.asarray(evic.interactions(a, b))
-    errs = {}
-    for k in (16, 1024):
-        rel = []
-        for seed in range(4):
-            sk = evic.make_sketch(params, kind, k, seed=seed)
-            pa, pb = evic.features(_softmax_loss, params, ex, sk)
-            rel.append(np.linalg.norm(np.asarray(evic.interactions(pa, pb)) - exact)
-                       / np.linalg.norm(exact))
-        errs[k] = float(np.mean(rel))
-    assert errs[1024] < errs[16] / 3, errs  # JL: error ~ 1/sqrt(k), so ~8x here
-    assert errs[1024] < 0.15, errs
+    exact = np.asarray(jax.jit(lambda p, e: evic.interactions(
+        *evic.features(_softmax_loss, p, e, evic.make_sketch(params, "none"))))(params, ex))
+    for kind in ("rademacher", "countsketch"):
+        errs = {k: float(np.mean([np.linalg.norm(m - exact) / np.linalg.norm(exact) for m in
+                                  _sketched_interactions(params, ex, kind, k, range(4))]))
+                for k in (16, 1024)}
+        assert errs[1024] < errs[16] / 3, (kind, errs)  # JL: error ~ 1/sqrt(k), so ~8x here
+        assert errs[1024] < 0.15, (kind, errs)
 
 
 def test_duplicates_and_flipped_twin():
@@ -187,7 +195,8 @@ def _rounds(workdir):
 
 def test_refresh_schedule_selection_and_exact_resume(tmp_path, sft_data):
     ref = str(tmp_path / "ref")
-    trainer.train(_config(sft_data), ref)
+    with jax_env.caching_every_compilation():  # the resume below reads the same programs
+        trainer.train(_config(sft_data), ref)
     rounds = _rounds(ref)
     assert sorted(rounds) == [2, 6, 10]  # start=2, every=4, steps=12
     n = len(rounds[2]["mask"])
@@ -208,7 +217,8 @@ def test_refresh_schedule_selection_and_exact_resume(tmp_path, sft_data):
         if s.isdigit() and int(s) > 5:
             shutil.rmtree(os.path.join(killed, "checkpoints", s))
     shutil.rmtree(os.path.join(killed, "evic"))
-    trainer.train(_config(sft_data), killed)
+    with jax_env.caching_every_compilation():
+        trainer.train(_config(sft_data), killed)
     want, got = train_losses(ref), train_losses(killed)
     assert sorted(got) == list(range(1, 13))
     assert max(abs(got[s] - want[s]) for s in range(6, 13)) <= 1e-6
